@@ -1,0 +1,121 @@
+"""Triton GEMM kernels for quantized linears (imported as quantkit.kernels).
+
+`make_kernel_forward(layer)` returns a fast forward for a QuantLinear (W4A16, or W4A8 when act_bits == 8),
+or None with the reason logged when the layer's shape or scheme has no kernel. The kernels run as the
+custom ops torch.ops.quantkit.w4a16_linear / w4a8_linear, so torch.compile treats them as opaque calls and
+CUDA graphs capture their launches (no host syncs; per-call allocations only through PyTorch's allocator).
+Triton is imported lazily: importing this package never needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_OPS_REGISTERED = False
+
+
+def _register_ops() -> None:
+    """Define the custom ops once (needs Triton, hence not at import time)."""
+    global _OPS_REGISTERED
+    if _OPS_REGISTERED:
+        return
+    from .autotune import pick_config
+    from .w4a8 import w4a8_matmul
+    from .w4a16 import w4a16_matmul
+
+    @torch.library.custom_op("quantkit::w4a16_linear", mutates_args=())
+    def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+        n, k = qweight.shape[1], x.shape[1]
+        flags = f"z{int(zeros is not None)}"
+
+        def run(cfg: dict) -> torch.Tensor:
+            return w4a16_matmul(x, qweight, scales, zeros, bias, group_size, cfg)
+
+        return run(pick_config("w4a16", x, n, k, group_size, flags, run))
+
+    @torch.library.custom_op("quantkit::w4a8_linear", mutates_args=())
+    def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
+                    group_scales: torch.Tensor | None, zeros: torch.Tensor | None, bias: torch.Tensor | None,
+                    group_size: int) -> torch.Tensor:
+        n, k = qweight.shape[1], x.shape[1]
+        flags = f"z{int(zeros is not None)}two{int(group_scales is not None)}"
+
+        def run(cfg: dict) -> torch.Tensor:
+            return w4a8_matmul(x, qweight, channel_scales, group_scales, zeros, bias, group_size, cfg)
+
+        return run(pick_config("w4a8", x, n, k, group_size, flags, run))
+
+    for op in (w4a16_linear, w4a8_linear):
+        op.register_fake(lambda x, qweight, *args: x.new_empty(x.shape[0], qweight.shape[1]))
+    _OPS_REGISTERED = True
+
+
+def unsupported_reason(layer: torch.nn.Module) -> str | None:
+    """Why no kernel can run this QuantLinear, or None when one can."""
+    k, n, group = layer.in_features, layer.out_features, layer.group_size
+    if layer.bits != 4:
+        return f"{layer.bits}-bit weights (kernels are 4-bit only)"
+    if layer.act_bits not in (8, 16):
+        return f"act_bits={layer.act_bits} (kernels do 16 or 8)"
+    if layer.scales.dtype not in (torch.float16, torch.bfloat16):
+        return f"scales in {layer.scales.dtype} (kernels run fp16 or bf16)"
+    if k % 32 or n % 8:
+        return f"in_features {k} must be a multiple of 32 and out_features {n} of 8"
+    if group != k and (group < 32 or group & (group - 1)):
+        return f"group size {group} (kernels take per-channel or a power of two >= 32)"
+    if layer.act_bits == 8 and layer.channel_scales is None and group != k:
+        return "int8 activations with one-level group scales (W4A8 kernels are per-channel or two-level)"
+    if not (layer.qweight.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return "weights are not on a CUDA device"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+def _two_level_int8_overflow(layer: torch.nn.Module) -> bool:
+    """True if some round((q - z) * group_scale) leaves int8 for a code q in [0, 15] (QQQ would wrap it)."""
+    z = layer.zeros.float()
+    gs = layer.scales.float()
+    low, high = torch.round(-z * gs), torch.round((15 - z) * gs)
+    return bool((low < -128).any() or (high > 127).any())
+
+
+def make_kernel_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A fast forward for a QuantLinear (on CUDA; on CPU only under TRITON_INTERPRET=1), or None to keep the
+    reference path. Re-run after moving the layer: the forward holds the buffers it was made with."""
+    reason = unsupported_reason(layer)
+    two_level = layer.act_bits == 8 and layer.channel_scales is not None
+    if reason is None and two_level and _two_level_int8_overflow(layer):
+        reason = "a group scale takes (q - zero) * scale outside int8"
+    if reason is not None:
+        log.info("QuantLinear(%s) keeps the reference path: %s", layer.extra_repr(), reason)
+        return None
+    _register_ops()
+    k, n, group, dtype = layer.in_features, layer.out_features, layer.group_size, layer.scales.dtype
+    zeros = None if bool((layer.zeros == 8).all()) else layer.zeros  # symmetric: the kernels use 8
+    qweight, bias = layer.qweight, layer.bias
+    if layer.act_bits == 16:
+        def run(x2: torch.Tensor) -> torch.Tensor:
+            return torch.ops.quantkit.w4a16_linear(x2, qweight, layer.scales, zeros, bias, group)
+    else:
+        channel = (layer.channel_scales if two_level else layer.scales[0]).float().contiguous()
+        group_scales = layer.scales if two_level else None
+        channel_zeros = zeros if two_level or zeros is None else zeros[0].contiguous()
+
+        def run(x2: torch.Tensor) -> torch.Tensor:
+            return torch.ops.quantkit.w4a8_linear(x2, qweight, channel, group_scales, channel_zeros, bias, group)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = run(x.reshape(-1, k).to(dtype).contiguous())
+        return out.reshape(*x.shape[:-1], n).to(x.dtype)
+
+    return forward

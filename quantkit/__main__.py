@@ -1,0 +1,3 @@
+from quantkit.cli import main
+
+main()

@@ -1,0 +1,184 @@
+"""The quantkit command line: `quantkit quantize` and `quantkit eval`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from quantkit.qtensor import QuantizationError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Post-training 4-bit quantization of Hugging Face causal LMs.")
+console = Console(stderr=True)
+
+
+class Format(str, Enum):
+    compressed_tensors = "compressed-tensors"
+    gptq = "gptq"
+    awq = "awq"
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(console=console, show_path=False)], force=True)
+    logging.getLogger("quantkit").setLevel(logging.INFO)
+
+
+def _fail(err: Exception) -> None:
+    console.print(f"[bold red]error:[/] {err}")
+    raise typer.Exit(code=2)
+
+
+def resolve_group_size(model, adapter, requested: str) -> int:
+    """'auto': the largest of 128/64/32 dividing every quantized input size (576 -> 64 for SmolLM2)."""
+    if requested != "auto":
+        return int(requested)
+    layer = adapter.get_layers(model)[0]
+    sizes = {layer.get_submodule(n).in_features for n in adapter.linear_names() if _has_module(layer, n)}
+    for group in (128, 64, 32):
+        if all(s % group == 0 for s in sizes):
+            return group
+    return -1
+
+
+def _has_module(layer, name: str) -> bool:
+    try:
+        layer.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def _heldout_ppl(model, tokenizer, windows: int, seqlen: int) -> dict[str, float]:
+    from quantkit.data import default_heldout_texts, load_text
+    from quantkit.eval.perplexity import perplexity
+
+    return {name: perplexity(model, tokenizer, load_text(path), seqlen=seqlen, max_windows=windows)["ppl"]
+            for name, path in default_heldout_texts().items()}
+
+
+@app.command()
+def quantize(
+    model: Annotated[str | None, typer.Argument(help="HF folder, .gguf file or hub name; default: embedded SmolLM2-135M")] = None,
+    method: Annotated[str, typer.Option(help="rtn, gptq, awq or qqq")] = "gptq",
+    bits: Annotated[int, typer.Option(help="weight bits: 4 or 8")] = 4,
+    group_size: Annotated[str, typer.Option(help="-1 (per channel), 32, 64, 128 or auto")] = "auto",
+    asym: Annotated[bool, typer.Option("--asym", help="asymmetric (zero-point) weights")] = False,
+    act_order: Annotated[bool, typer.Option("--act-order", help="GPTQ act-order (static groups)")] = False,
+    act_bits: Annotated[int, typer.Option(help="16 (W4A16) or 8 (W4A8, per-token int8 activations)")] = 16,
+    format: Annotated[Format, typer.Option("--format", help="checkpoint format")] = Format.compressed_tensors,
+    calib: Annotated[str | None, typer.Option(help="calibration .txt/.jsonl or wikitext2/c4/pileval")] = None,
+    nsamples: Annotated[int, typer.Option(help="calibration samples")] = 128,
+    seqlen: Annotated[int, typer.Option(help="tokens per calibration sample")] = 512,
+    seed: Annotated[int, typer.Option(help="calibration sampling seed")] = 0,
+    chat_template: Annotated[bool, typer.Option(help="wrap calibration text in the chat template")] = False,
+    damp: Annotated[float, typer.Option(help="GPTQ relative dampening")] = 0.01,
+    mse: Annotated[bool, typer.Option("--mse", help="search clipped scales by MSE")] = False,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="output folder")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing output folder")] = False,
+    dtype: Annotated[str, typer.Option(help="checkpoint dtype: auto, float16, bfloat16")] = "auto",
+    device: Annotated[str | None, typer.Option(help="work device (default: cuda if available)")] = None,
+    batch_size: Annotated[int, typer.Option(help="calibration batch size")] = 8,
+    evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="held-out perplexity before and after")] = True,
+    eval_windows: Annotated[int, typer.Option(help="512-token windows per held-out text")] = 16,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="allow .bin pickle weights")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Calibrate and quantize MODEL, then write a checkpoint vLLM and transformers load."""
+    _setup_logging(verbose)
+    try:
+        _quantize(**locals())
+    except (QuantizationError, FileNotFoundError, ValueError) as err:
+        _fail(err)
+
+
+def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format, calib, nsamples, seqlen,
+              seed, chat_template, damp, mse, output, overwrite, dtype, device, batch_size, evaluate,
+              eval_windows, trust_remote_code, allow_pickle, verbose) -> None:
+    from quantkit.config import QuantConfig
+    from quantkit.data import build_calibration_set, load_passages
+    from quantkit.engine import quantize_model
+    from quantkit.export import export_checkpoint
+    from quantkit.formats import get_format
+    from quantkit.models import get_adapter, load_model
+    from quantkit.models.loading import default_dtype
+
+    work_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if output is None:
+        name = Path(model).stem if model else "smollm2-135m"
+        output = Path("out") / f"{name}-{method}-w{bits}a{act_bits}-g{group_size}"
+    if output.exists() and not overwrite:
+        raise QuantizationError(f"output folder {output} already exists (pass --overwrite to replace it)")
+    lm, tokenizer = load_model(model, dtype=default_dtype(work_device), trust_remote_code=trust_remote_code,
+                               allow_pickle=allow_pickle)
+    adapter = get_adapter(lm)
+    config = QuantConfig(method=method, bits=bits, group_size=resolve_group_size(lm, adapter, group_size),
+                         sym=not asym, act_order=act_order, act_bits=act_bits, damp_percent=damp,
+                         mse=mse).validate()
+    get_format(format.value).check(config)
+    console.print(f"[bold]{lm.config.model_type}[/] {config.method} W{config.bits}A{config.act_bits} "
+                  f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format.value}")
+    calib_set = build_calibration_set(tokenizer, load_passages(calib), nsamples, seqlen, seed, chat_template)
+    before = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
+    report = quantize_model(lm.cpu(), adapter, calib_set, config, device=work_device, batch_size=batch_size)
+    after = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
+    out = export_checkpoint(lm.cpu(), tokenizer, output, config, format.value, report=report.to_dict(),
+                            dtype=dtype, overwrite=overwrite)
+    if report.fallbacks:
+        console.print(f"[yellow]{len(report.fallbacks)} fallback(s):[/] " + "; ".join(report.fallbacks))
+    console.print(f"quantized {len(report.layers)} layers in {report.seconds:.1f}s -> [bold]{out}[/]")
+    if evaluate:
+        table = Table(title="held-out perplexity")
+        table.add_column("text")
+        table.add_column("original", justify="right")
+        table.add_column("quantized", justify="right")
+        table.add_column("delta", justify="right")
+        for name in before:
+            table.add_row(name, f"{before[name]:.3f}", f"{after[name]:.3f}", f"{after[name] - before[name]:+.3f}")
+        Console().print(table)
+
+
+@app.command("eval")
+def evaluate_cmd(
+    models: Annotated[list[str], typer.Argument(help="HF folders, .gguf files, hub names or quantkit exports")],
+    text: Annotated[list[str] | None, typer.Option("--text", help="text file or hub name (repeatable)")] = None,
+    tasks: Annotated[str, typer.Option(help="comma-separated tasks, e.g. arc_easy,hellaswag,gsm8k")] = "",
+    limit: Annotated[int | None, typer.Option(help="items per task")] = None,
+    num_fewshot: Annotated[int | None, typer.Option(help="few-shot examples (task default if unset)")] = None,
+    generations: Annotated[bool, typer.Option("--generations", help="side-by-side greedy answers")] = False,
+    report: Annotated[Path | None, typer.Option("--report", help="folder for JSON, Markdown and plots")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write all metrics as JSON")] = None,
+    seqlen: Annotated[int, typer.Option(help="perplexity window")] = 512,
+    batch_size: Annotated[int, typer.Option(help="evaluation batch size")] = 8,
+    device: Annotated[str | None, typer.Option(help="cuda or cpu (default: cuda if available)")] = None,
+    backend: Annotated[str, typer.Option(help="native or lm-eval")] = "native",
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Perplexity, task accuracy and generations of one or more models, side by side."""
+    from quantkit.eval.runner import run_eval
+
+    _setup_logging(verbose)
+    try:
+        run_eval(models, texts=text, tasks=[t for t in tasks.split(",") if t], limit=limit,
+                 num_fewshot=num_fewshot, generations=generations, report_dir=report, json_path=json_path,
+                 batch_size=batch_size, device=device, backend=backend, seqlen=seqlen, console=Console())
+    except (QuantizationError, FileNotFoundError, ValueError) as err:
+        _fail(err)
+
+
+def main() -> None:  # pragma: no cover - `python -m quantkit`
+    sys.exit(app())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,116 @@
+"""Write a quantized model as a checkpoint vLLM and transformers load: atomically, safetensors only."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from quantkit.config import QuantConfig
+from quantkit.formats import get_format
+from quantkit.nn.qlinear import QuantLinear
+from quantkit.qtensor import QuantizationError
+
+SHARD_BYTES = 4 * 2**30
+
+
+def export_dtype(model: nn.Module, requested: str = "auto") -> torch.dtype:
+    """fp16 by default (what GPTQ/AWQ kernels expect); bf16 for Gemma, whose activations overflow fp16."""
+    if requested != "auto":
+        return {"float16": torch.float16, "bfloat16": torch.bfloat16}[requested]
+    return torch.bfloat16 if model.config.model_type.startswith("gemma") else torch.float16
+
+
+def quantized_modules(model: nn.Module) -> dict[str, QuantLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def build_state_dict(model: nn.Module, fmt_name: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    fmt = get_format(fmt_name)
+    qmodules = quantized_modules(model)
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()  # tied weights (lm_head = embed_tokens) are written once
+    for name, tensor in model.state_dict().items():
+        owner = name.rsplit(".", 1)[0]
+        if owner in qmodules or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    for name, qlinear in qmodules.items():
+        for key, value in fmt.pack(qlinear.to_quantized(), dtype).items():
+            tensors[f"{name}.{key}"] = value
+        if qlinear.bias is not None:
+            tensors[f"{name}.bias"] = qlinear.bias.to(dtype)
+    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, value in tensors.items():
+        nbytes = value.numel() * value.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][key] = value
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / fname, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def export_checkpoint(
+    model: nn.Module,
+    tokenizer,
+    output: str | Path,
+    config: QuantConfig,
+    fmt_name: str,
+    report: dict | None = None,
+    dtype: str = "auto",
+    overwrite: bool = False,
+) -> Path:
+    """Write to a temporary folder beside `output`, then rename: never a half-written checkpoint."""
+    fmt = get_format(fmt_name)
+    fmt.check(config)
+    output = Path(output).expanduser().resolve()
+    if output.exists() and not overwrite:
+        raise QuantizationError(f"output folder {output} already exists (pass --overwrite to replace it)")
+    if not quantized_modules(model):
+        raise QuantizationError("the model has no quantized layers to export")
+    torch_dtype = export_dtype(model, dtype)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        _write_shards(build_state_dict(model, fmt_name, torch_dtype), tmp)
+        hf_config = model.config.to_dict()
+        hf_config.pop("quantization_config", None)
+        hf_config["dtype"] = hf_config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+        hf_config["use_cache"] = True
+        hf_config["quantization_config"] = fmt.quantization_config(config, ignored_modules=["lm_head"])
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        quantkit_meta = {"format": fmt_name, "quant_config": config.to_dict(), "report": report or {}}
+        (tmp / "quantkit.json").write_text(json.dumps(quantkit_meta, indent=2, default=str))
+        if output.exists():
+            shutil.rmtree(output)
+        tmp.rename(output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output

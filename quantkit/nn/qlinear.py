@@ -1,0 +1,136 @@
+"""QuantLinear: a linear layer that computes with packed low-bit weights.
+
+Storage (our own, K-packed like GPTQ's `qweight`; exporters convert from/to the file formats):
+  qweight         int32 [in * bits / 32, out]: element k of row r (bits k*b .. k*b+b-1) holds the
+                  unsigned code of input (32/b)*r + k for output column o.
+  scales          [n_groups, out] in the activation dtype (fp16/bf16/fp32).
+  zeros           uint8 [n_groups, out], unsigned zero points (2**(bits-1) when symmetric).
+  channel_scales  float32 [out] or None: QQQ's two-level W4A8 scheme, scales then hold group scales.
+  act_bits        16 (weight-only) or 8 (per-token dynamic symmetric int8 activations, simulated
+                  exactly here; the W4A8 kernel computes the same function).
+
+On CUDA the Triton kernels in quantkit.kernels run it when they accept the shape; everywhere else
+(and as the reference) the weight is dequantized and multiplied.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantkit.qtensor import QuantizedWeight
+
+
+def pack_along_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [K, N] -> int32 [K * bits / 32, N], element k of row r = code of row (32/bits)*r + k."""
+    per_word = 32 // bits
+    k, n = codes.shape
+    if k % per_word:
+        raise ValueError(f"input size {k} is not a multiple of {per_word} ({bits}-bit codes per int32)")
+    c = codes.to(torch.int64).reshape(k // per_word, per_word, n)
+    shifts = (torch.arange(per_word, device=codes.device, dtype=torch.int64) * bits).view(1, -1, 1)
+    packed = (c << shifts).sum(dim=1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_along_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack_along_rows: int32 [K * bits / 32, N] -> uint8 codes [K, N]."""
+    per_word = 32 // bits
+    rows, n = packed.shape
+    shifts = (torch.arange(per_word, device=packed.device, dtype=torch.int32) * bits).view(1, -1, 1)
+    c = (packed.unsqueeze(1) >> shifts) & (2**bits - 1)
+    return c.reshape(rows * per_word, n).to(torch.uint8)
+
+
+def quantize_activations_per_token(x: torch.Tensor) -> torch.Tensor:
+    """Per-token symmetric int8 fake quantization: round(x / s) * s with s = max|x_token| / 127."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8) / 127.0
+    return (torch.round(x.float() / scale).clamp(-127, 127) * scale).to(x.dtype)
+
+
+class QuantLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bits: int,
+        group_size: int,
+        bias: bool,
+        act_bits: int = 16,
+        two_level: bool = False,
+        dtype: torch.dtype = torch.float16,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.act_bits = bits, act_bits
+        self.group_size = in_features if group_size == -1 else group_size
+        n_groups = in_features // self.group_size
+        self.register_buffer("qweight", torch.zeros(in_features * bits // 32, out_features, dtype=torch.int32))
+        self.register_buffer("scales", torch.zeros(n_groups, out_features, dtype=dtype))
+        self.register_buffer("zeros", torch.zeros(n_groups, out_features, dtype=torch.uint8))
+        self.register_buffer("channel_scales", torch.ones(out_features) if two_level else None)
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
+        self._kernel = None  # set by quantkit.kernels on CUDA (see prepare_kernels)
+
+    @classmethod
+    def from_quantized(
+        cls, qw: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype, act_bits: int = 16
+    ) -> QuantLinear:
+        out_f, in_f = qw.shape
+        layer = cls(in_f, out_f, qw.bits, qw.group_size, bias is not None, act_bits,
+                    qw.channel_scales is not None, dtype)
+        layer.qweight.copy_(pack_along_rows(qw.codes.t().contiguous(), qw.bits))
+        group_scales = qw.scales if qw.channel_scales is None else qw.scales / qw.channel_scales[:, None]
+        layer.scales.copy_(group_scales.t().to(dtype))
+        layer.zeros.copy_(qw.zeros.t())
+        if qw.channel_scales is not None:
+            layer.channel_scales.copy_(qw.channel_scales)
+        if bias is not None:
+            layer.bias.copy_(bias.to(dtype))
+        return layer
+
+    def to_quantized(self) -> QuantizedWeight:
+        channel = None if self.channel_scales is None else self.channel_scales.float()
+        scales = self.scales.t().float()
+        if channel is not None:
+            scales = scales * channel[:, None]
+        group_size = -1 if self.group_size == self.in_features else self.group_size
+        return QuantizedWeight(
+            codes=unpack_along_rows(self.qweight, self.bits).t().contiguous(),
+            scales=scales,
+            zeros=self.zeros.t().contiguous(),
+            bits=self.bits,
+            group_size=group_size,
+            sym=bool((self.zeros == 2 ** (self.bits - 1)).all()),
+            channel_scales=channel,
+        )
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """[out, in] weight in the activation dtype, computed from the packed buffers."""
+        codes = unpack_along_rows(self.qweight, self.bits).to(self.scales.dtype)  # [in, out]
+        g = torch.arange(self.in_features, device=codes.device) // self.group_size
+        w = (codes - self.zeros[g].to(codes.dtype)) * self.scales[g]
+        if self.channel_scales is not None:
+            w = (w.float() * self.channel_scales).to(self.scales.dtype)
+        return w.t()
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_bits == 8:
+            x = quantize_activations_per_token(x)
+        return nn.functional.linear(x, self.dequantized_weight().to(x.dtype),
+                                    None if self.bias is None else self.bias.to(x.dtype))
+
+    def prepare_kernels(self) -> None:
+        """Build the Triton-kernel forward for this layer's device and shape, if one applies."""
+        from quantkit.kernels import make_kernel_forward
+
+        self._kernel = make_kernel_forward(self) if self.qweight.is_cuda else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None and x.is_cuda:
+            return self._kernel(x)
+        return self.reference_forward(x)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, bits={self.bits}, "
+                f"group={self.group_size}, act_bits={self.act_bits}")

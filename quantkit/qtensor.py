@@ -1,0 +1,104 @@
+"""The canonical quantized-weight representation and the integer grid math every quantizer shares.
+
+Convention (all quantizers, all formats): unsigned codes q in [0, 2**bits - 1], one scale and one
+unsigned zero point per (output channel, input group), and
+
+    W[o, i] ~= (q[o, i] - zero[o, i // group]) * scale[o, i // group]
+
+Symmetric quantization is the special case zero = 2**(bits - 1) (8 for 4-bit), which is what GPTQ's
+and compressed-tensors' signed int4 [-8, 7] mean once 8 is added. Groups are contiguous runs of
+`group_size` input channels in the original (unpermuted) order, so g_idx is always i // group_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class QuantizationError(ValueError):
+    """A user-facing quantization error (bad shape, bad option, bad data)."""
+
+
+@dataclass
+class QuantizedWeight:
+    codes: torch.Tensor  # uint8 [out, in], values in [0, 2**bits - 1]
+    scales: torch.Tensor  # float32 [out, n_groups]
+    zeros: torch.Tensor  # uint8 [out, n_groups], values in [0, 2**bits - 1]
+    bits: int
+    group_size: int  # -1: one group spanning all inputs (per-channel)
+    sym: bool
+    # W4A8 two-level scheme (QQQ): scales = group_scales * channel_scales[:, None]; None otherwise.
+    channel_scales: torch.Tensor | None = None  # float32 [out]
+    info: dict = field(default_factory=dict)  # loss, damping used, fallbacks: for reports only
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    @property
+    def n_groups(self) -> int:
+        return self.scales.shape[1]
+
+    def group_index(self) -> torch.Tensor:
+        """g_idx[i]: the group of input channel i."""
+        in_features = self.codes.shape[1]
+        size = in_features if self.group_size == -1 else self.group_size
+        return torch.arange(in_features, device=self.codes.device) // size
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        g = self.group_index()
+        q = self.codes.to(torch.float32)
+        w = (q - self.zeros[:, g].to(torch.float32)) * self.scales[:, g].to(torch.float32)
+        return w.to(dtype)
+
+
+def check_group_size(in_features: int, group_size: int) -> int:
+    """Return the effective group size, or raise a clear error when it cannot tile the input."""
+    if group_size == -1:
+        return in_features
+    if group_size <= 0:
+        raise QuantizationError(f"group size must be -1 (per-channel) or positive, got {group_size}")
+    if in_features % group_size:
+        raise QuantizationError(
+            f"group size {group_size} does not divide the input size {in_features}; "
+            f"choose a divisor of {in_features} (e.g. 32 or 64) or -1 for per-channel"
+        )
+    return group_size
+
+
+def compute_qparams(
+    wmin: torch.Tensor, wmax: torch.Tensor, bits: int, sym: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and unsigned zero point from per-group min/max (any shape), GPTQ's min-max rule.
+
+    Symmetric: scale = 2*absmax / (2**bits - 1), zero = 2**(bits-1). Asymmetric: the range always
+    contains 0, scale = (max - min) / (2**bits - 1), zero = round(-min / scale).
+    """
+    maxq = 2**bits - 1
+    wmin = torch.minimum(wmin, torch.zeros_like(wmin))
+    wmax = torch.maximum(wmax, torch.zeros_like(wmax))
+    if sym:
+        absmax = torch.maximum(wmin.abs(), wmax)
+        scale = 2 * absmax / maxq
+        zero = torch.full_like(scale, 2 ** (bits - 1))
+    else:
+        scale = (wmax - wmin) / maxq
+        zero = None
+    dead = scale == 0
+    scale = torch.where(dead, torch.ones_like(scale), scale)
+    # Round scales to fp16 now: exports store them in fp16, so error compensation must see those.
+    scale = scale.to(torch.float16).to(torch.float32)
+    if zero is None:
+        zero = torch.round(-wmin / scale).clamp(0, maxq)
+    return scale, zero
+
+
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Round w (broadcastable against scale/zero) to unsigned codes."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, 2**bits - 1)
+
+
+def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    return (quantize_codes(w, scale, zero, bits) - zero) * scale

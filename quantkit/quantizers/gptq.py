@@ -1,0 +1,281 @@
+"""GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers", arXiv:2210.17323, Algorithm 1).
+
+Columns of W [out, in] are quantized one at a time; the rounding error of column j is spread over the
+columns not yet quantized so as to minimise the layer-output error ||W X - Q X||^2, using row j of U,
+the upper Cholesky factor of the inverse (dampened) Hessian H = 2/n sum x x^T. Follows the reference
+`GPTQ.fasterquant` (IST-DASLab/gptq, gptq.py) and GPTQModel (gptqmodel/quantization/gptq.py):
+  * lazy batches: inside a block of `block_size` columns the updates are rank-1, the columns after the
+    block get the block's accumulated errors in one matmul;
+  * dead inputs (diag(H) == 0) get H_ii = 1 and a zero weight column;
+  * act-order quantizes columns by decreasing diag(H) with *static* groups (GPTQModel's
+    static_groups=True): group scales/zeros are computed up front from the dead-fixed, unpermuted,
+    not yet error-updated W, exactly as both references do, so codes keep the original column order and
+    g_idx = i // group_size;
+  * without act-order, a group's scales/zeros are computed when its first column is reached, from the
+    weights as updated by all the errors spread so far (see `_quantize_columns` for one deviation);
+  * when the Cholesky factorisation fails the dampening is raised x10 (GPTQModel raises it in steps too)
+    and, as a last resort, the layer is RTN-quantized; both are logged and recorded in `info`.
+
+info["loss"] is the reference's sum over columns of (w - q)^2 / U_jj^2 / 2, which equals
+1/2 tr((W - Q) H_damped (W - Q)^T): the mean over calibration tokens of ||(W - Q) x||^2, plus the damping
+term (W with dead columns zeroed; a dead column's input is always 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantkit.config import QuantConfig
+from quantkit.qtensor import QuantizationError, QuantizedWeight, check_group_size, quantize_codes
+from quantkit.quantizers.base import LinearQuantizer, Method, register
+from quantkit.quantizers.rtn import check_finite_weights, find_qparams, layer_label, rtn_quantize
+
+log = logging.getLogger("quantkit")
+
+DAMP_GROWTH = 10.0
+MAX_DAMP_ATTEMPTS = 4  # damp_percent x1, x10, x100, x1000 (0.01 -> up to 10 x mean(diag H))
+
+
+def inverse_hessian_factor(
+    hessian: torch.Tensor, damp_percent: float, label: str
+) -> tuple[torch.Tensor | None, float]:
+    """Upper Cholesky factor U of (H + damp * mean(diag H) * I)^-1 (so U^T U is that inverse).
+
+    Retries with x10 damping while either factorisation fails; returns (None, last damping tried)
+    when none succeeds.
+    """
+    mean_diag = hessian.diagonal().mean()
+    for attempt in range(MAX_DAMP_ATTEMPTS):
+        damp = damp_percent * DAMP_GROWTH**attempt
+        damped = hessian.clone()
+        damped.diagonal().add_(damp * mean_diag)
+        lower, info = torch.linalg.cholesky_ex(damped)
+        if info.item() == 0:
+            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+            if info.item() == 0:
+                return upper, damp
+        retry = attempt + 1 < MAX_DAMP_ATTEMPTS
+        log.warning(
+            "GPTQ: the Hessian of %s is not positive definite with damp_percent=%g%s",
+            label, damp, f"; retrying with damp_percent={damp * DAMP_GROWTH:g}" if retry else "",
+        )
+    return None, damp
+
+
+@dataclass
+class _Block:
+    """The tensors one block of n columns reads and writes; a CUDA-graph replay reuses exactly these."""
+
+    weights: torch.Tensor  # [rows, n] current weights, updated in place by the column loop
+    hinv: torch.Tensor  # [n, n] the block's square of U
+    scales: torch.Tensor  # [rows, n] per column: given when static, found at each group start otherwise
+    zeros: torch.Tensor
+    codes: torch.Tensor  # [rows, n] out
+    errors: torch.Tensor  # [rows, n] out: (w - q) / U_jj, what the reference spreads over later columns
+
+
+def _quantize_block(b: _Block, dynamic_group: int | None, config: QuantConfig) -> None:
+    """The reference's inner loop: quantize column i, spread its error over the block's later columns."""
+    for i in range(b.weights.shape[1]):
+        if dynamic_group is not None and i % dynamic_group == 0:
+            scale, zero = find_qparams(b.weights[:, i : i + dynamic_group], config.bits, config.sym, config.mse)
+            b.scales[:, i : i + dynamic_group] = scale.unsqueeze(1)
+            b.zeros[:, i : i + dynamic_group] = zero.unsqueeze(1)
+        w, scale, zero = b.weights[:, i], b.scales[:, i], b.zeros[:, i]
+        q = quantize_codes(w, scale, zero, config.bits)
+        b.codes[:, i] = q
+        b.errors[:, i] = (w - (q - zero) * scale) / b.hinv[i, i]
+        b.weights[:, i + 1 :].addr_(b.errors[:, i], b.hinv[i, i + 1 :], alpha=-1)
+
+
+class _BlockLoop:
+    """Runs _quantize_block on blocks of one width. On CUDA the second block captures the column loop as
+    a CUDA graph and later blocks replay it: the loop is ~10 tiny kernels per column, so Python and launch
+    overhead would otherwise dominate (the first block runs eagerly on a side stream: graph warm-up)."""
+
+    def __init__(self, like: torch.Tensor, n: int, dynamic_group: int | None, config: QuantConfig) -> None:
+        rows = like.shape[0]
+        self.b = _Block(*(like.new_empty(shape) for shape in [(rows, n), (n, n)] + [(rows, n)] * 4))
+        self.dynamic_group, self.config = dynamic_group, config
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.warm = False
+
+    def run(self, weights: torch.Tensor, hinv: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> _Block:
+        b = self.b
+        b.weights.copy_(weights)
+        b.hinv.copy_(hinv)
+        if self.dynamic_group is None:
+            b.scales.copy_(scales)
+            b.zeros.copy_(zeros)
+        if b.weights.is_cuda:
+            with torch.cuda.device(b.weights.device):  # graphs and streams belong to the current device
+                self._run_cuda()
+        else:
+            _quantize_block(b, self.dynamic_group, self.config)
+        return b
+
+    def _run_cuda(self) -> None:
+        if not self.warm:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                _quantize_block(self.b, self.dynamic_group, self.config)
+            torch.cuda.current_stream().wait_stream(side)
+            self.warm = True
+            return
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                _quantize_block(self.b, self.dynamic_group, self.config)
+        self.graph.replay()
+
+
+def _quantize_columns(
+    W: torch.Tensor,
+    U: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    column_groups: torch.Tensor,
+    dynamic_group: int | None,
+    config: QuantConfig,
+) -> tuple[torch.Tensor, float]:
+    """The reference's lazy-batch loop. W [rows, cols] (processing order) is overwritten.
+
+    column_groups[j]: the group of the j-th processed column. dynamic_group: the group size when group
+    parameters are computed on reaching a group's first column (written into scales/zeros), None when
+    they are all given. Returns uint8 codes in processing order and the loss.
+
+    Deviation from the references: they compute a dynamic group's parameters from the block-level W,
+    which for a group starting inside a block misses the in-block updates of the columns before it.
+    Here blocks hold whole groups and the parameters come from the fully updated in-block weights, so
+    the result does not depend on block_size (it equals the column-by-column algorithm).
+    """
+    rows, cols = W.shape
+    block = config.block_size
+    if dynamic_group is not None:
+        block = max(dynamic_group, block - block % dynamic_group)
+    loops = {n: _BlockLoop(W, n, dynamic_group, config) for n in {min(block, cols), cols % block} if n}
+    codes = torch.empty(rows, cols, dtype=torch.uint8, device=W.device)
+    loss = W.new_zeros(())
+    for start in range(0, cols, block):
+        end = min(start + block, cols)
+        groups = column_groups[start:end]
+        b = loops[end - start].run(W[:, start:end], U[start:end, start:end], scales[:, groups], zeros[:, groups])
+        if dynamic_group is not None:
+            scales[:, groups[::dynamic_group]] = b.scales[:, ::dynamic_group]
+            zeros[:, groups[::dynamic_group]] = b.zeros[:, ::dynamic_group]
+        codes[:, start:end] = b.codes
+        loss += b.errors.square().sum() / 2
+        W[:, end:].addmm_(b.errors, U[start:end, end:], alpha=-1)
+    return codes, loss.item()
+
+
+def _rtn_fallback(
+    weight: torch.Tensor, hessian: torch.Tensor | None, config: QuantConfig, reason: str, **info: object
+) -> QuantizedWeight:
+    """RTN-quantize the layer; info["loss"] is then the same objective with the undamped Hessian."""
+    log.warning("GPTQ: %s for %s; falling back to RTN", reason, layer_label(weight))
+    result = rtn_quantize(weight, config.bits, config.group_size, config.sym, config.mse)
+    loss = math.nan
+    if hessian is not None:
+        delta = weight.detach().to(torch.float32) - result.dequantize()
+        loss = float(((delta @ hessian.to(delta)) * delta).sum() / 2)
+    result.info.update(info, loss=loss, fallback="rtn", fallback_reason=reason)
+    return result
+
+
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConfig) -> QuantizedWeight:
+    """GPTQ-quantize weight [out, in] (untouched) given H [in, in], on weight's device.
+
+    The math runs in fp32 (fp64 for a float64 weight, which the reference tests use to compare exactly).
+    """
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    W = weight.detach().to(dtype, copy=True)
+    H = hessian.to(W.device, dtype, copy=True)
+    rows, cols = W.shape
+    group = check_group_size(cols, config.group_size)
+    dead = H.diagonal() == 0
+    H.diagonal()[dead] = 1
+    W[:, dead] = 0
+
+    # Per-channel parameters are static in the reference as well (found once, before any update).
+    static = config.act_order or group == cols
+    if static:
+        scales, zeros = find_qparams(W.view(rows, cols // group, group), config.bits, config.sym, config.mse)
+    else:
+        scales, zeros = W.new_empty(rows, cols // group), W.new_empty(rows, cols // group)
+    order = torch.arange(cols, device=W.device)
+    if config.act_order:
+        order = torch.argsort(H.diagonal(), descending=True, stable=True)
+        W, H = W[:, order], H[order][:, order]
+
+    U, damp_percent = inverse_hessian_factor(H, config.damp_percent, layer_label(weight))
+    del H
+    if U is None:
+        return _rtn_fallback(weight, hessian, config, "Cholesky failed at every damping", damp_percent=damp_percent)
+    column_groups = order // group
+    codes, loss = _quantize_columns(W, U, scales, zeros, column_groups, None if static else group, config)
+    if not math.isfinite(loss):
+        return _rtn_fallback(weight, hessian, config, "GPTQ produced a non-finite loss", damp_percent=damp_percent)
+    if config.act_order:
+        codes = codes[:, torch.argsort(order)]
+    return QuantizedWeight(
+        codes=codes,
+        scales=scales.to(torch.float32),  # fp16-rounded by compute_qparams: exact in fp32
+        zeros=zeros.to(torch.uint8),
+        bits=config.bits,
+        group_size=config.group_size,
+        sym=config.sym,
+        info={"loss": loss, "damp_percent": damp_percent},
+    )
+
+
+class GPTQQuantizer(LinearQuantizer):
+    def __init__(self, linear: nn.Linear, config: QuantConfig) -> None:
+        super().__init__(linear, config)
+        self.H: torch.Tensor | None = None  # fp32 [in, in] on the device of the activations
+        self.nsamples = 0
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        tokens = x.shape[0]
+        if tokens == 0:  # e.g. an MoE expert no token was routed to
+            return
+        x = x.to(torch.float32)
+        if self.H is None:
+            self.H = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+        total = self.nsamples + tokens
+        # Running mean of 2 x x^T over tokens (reference add_batch; GPTQModel's single addmm_ form).
+        self.H.addmm_(x.T, x, beta=self.nsamples / total, alpha=2 / total)
+        self.nsamples = total
+
+    def quantize(self) -> QuantizedWeight:
+        weight = self.linear.weight
+        check_finite_weights(weight)
+        if self.H is None:
+            return _rtn_fallback(weight, None, self.config, "no calibration tokens reached this layer", nsamples=0)
+        if not torch.isfinite(self.H).all():
+            raise QuantizationError(
+                f"the calibration inputs of {layer_label(weight)} contain NaN/Inf; "
+                "the model overflows in its dtype on the calibration data (try a float32 or bfloat16 load)"
+            )
+        result = gptq_quantize(weight, self.H, self.config)
+        result.info["nsamples"] = self.nsamples
+        return result
+
+    def free(self) -> None:
+        self.H = None
+        self.nsamples = 0
+
+
+@register
+class GPTQ(Method):
+    name = "gptq"
+
+    def linear_quantizer(self, linear: nn.Linear) -> LinearQuantizer:
+        return GPTQQuantizer(linear, self.config)

@@ -1,0 +1,97 @@
+"""Round-to-nearest (RTN): each weight group is put on its own min-max (or MSE-searched) grid.
+
+Needs no calibration data. The grid search and the helpers here are shared with GPTQ, which falls
+back to RTN when its Hessian cannot be inverted.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantkit.qtensor import (
+    QuantizationError,
+    QuantizedWeight,
+    check_group_size,
+    compute_qparams,
+    fake_quantize,
+    quantize_codes,
+)
+from quantkit.quantizers.base import LinearQuantizer, Method, register
+
+# MSE range search, as in the GPTQ reference `Quantizer.find_params(mse=True)` (IST-DASLab/gptq quant.py):
+# shrink [min, max] by 1 - k/GRID for k < MAX_SHRINK * GRID and keep the grid minimising sum |w - q|^NORM.
+MSE_MAX_SHRINK = 0.8
+MSE_GRID = 100
+MSE_NORM = 2.4
+
+
+def layer_label(weight: torch.Tensor) -> str:
+    out_features, in_features = weight.shape
+    return f"linear layer [{out_features}x{in_features}]"
+
+
+def check_finite_weights(weight: torch.Tensor) -> None:
+    bad = int((~torch.isfinite(weight)).sum())
+    if bad:
+        raise QuantizationError(
+            f"{layer_label(weight)} has NaN/Inf weights ({bad} of {weight.numel()}); "
+            "the checkpoint is corrupt or was loaded in a dtype that overflows"
+        )
+
+
+def mse_qparams(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero per row of w's last dimension minimising sum |w - fake_quantize(w)|^MSE_NORM."""
+    wmin, wmax = w.amin(dim=-1), w.amax(dim=-1)
+    best_err = torch.full_like(wmin, float("inf"))
+    best_scale, best_zero = torch.empty_like(wmin), torch.empty_like(wmin)
+    for step in range(int(MSE_MAX_SHRINK * MSE_GRID)):  # step 0 is the plain min-max grid
+        shrink = 1 - step / MSE_GRID
+        scale, zero = compute_qparams(shrink * wmin, shrink * wmax, bits, sym)
+        deq = fake_quantize(w, scale.unsqueeze(-1), zero.unsqueeze(-1), bits)
+        err = (deq - w).abs_().pow_(MSE_NORM).sum(dim=-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
+def find_qparams(w: torch.Tensor, bits: int, sym: bool, mse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and (float) zero point per row of w's last dimension: min-max, or MSE-searched."""
+    if mse:
+        return mse_qparams(w, bits, sym)
+    return compute_qparams(w.amin(dim=-1), w.amax(dim=-1), bits, sym)
+
+
+def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, mse: bool) -> QuantizedWeight:
+    """Quantize weight [out, in] group by group; the source tensor is left untouched."""
+    check_finite_weights(weight)
+    out_features, in_features = weight.shape
+    group = check_group_size(in_features, group_size)
+    grouped = weight.detach().to(torch.float32).reshape(out_features, in_features // group, group)
+    scale, zero = find_qparams(grouped, bits, sym, mse)
+    codes = quantize_codes(grouped, scale.unsqueeze(-1), zero.unsqueeze(-1), bits)
+    return QuantizedWeight(
+        codes=codes.reshape(out_features, in_features).to(torch.uint8),
+        scales=scale,
+        zeros=zero.to(torch.uint8),
+        bits=bits,
+        group_size=group_size,
+        sym=sym,
+    )
+
+
+class RTNQuantizer(LinearQuantizer):
+    def quantize(self) -> QuantizedWeight:
+        c = self.config
+        return rtn_quantize(self.linear.weight, c.bits, c.group_size, c.sym, c.mse)
+
+
+@register
+class RTN(Method):
+    name = "rtn"
+    needs_activations = False
+
+    def linear_quantizer(self, linear: nn.Linear) -> LinearQuantizer:
+        return RTNQuantizer(linear, self.config)

