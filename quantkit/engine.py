@@ -80,6 +80,31 @@ class LayerContext:
         self.current_mask = None
         return outputs
 
+    @torch.no_grad()
+    def run_until(self, names: list[str]) -> None:
+        """Run every batch only until each named module has run: statistics for the first linears
+        of a layer need none of the layer's later (attention, MLP) work."""
+        pending: set[str] = set()
+
+        def done(_m, _args, _out, name: str) -> None:
+            pending.discard(name)
+            if not pending:
+                raise _StopForward
+
+        handles = [self.module(n).register_forward_hook(lambda m, a, o, n=n: done(m, a, o, n)) for n in names]
+        try:
+            for x, kwargs, mask in zip(self.inputs, self.kwargs, self.token_masks, strict=True):
+                self.current_mask = mask
+                pending.update(names)
+                try:
+                    self.layer(x, **kwargs)
+                except _StopForward:
+                    pass
+        finally:
+            self.current_mask = None
+            for h in handles:
+                h.remove()
+
     def real_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """Rows of x ([B, T, ...] or [B*T, ...]) for non-padding tokens of the running batch, flattened."""
         assert self.current_mask is not None, "real_tokens() is only valid inside forward()"
@@ -109,11 +134,12 @@ class QuantReport:
     layers: list[dict] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, summed over layers
     calibration_tokens: int = 0
 
     def to_dict(self) -> dict:
         return {"config": self.config, "layers": self.layers, "fallbacks": self.fallbacks,
-                "seconds": self.seconds, "calibration_tokens": self.calibration_tokens}
+                "seconds": self.seconds, "timings": self.timings, "calibration_tokens": self.calibration_tokens}
 
 
 def _batches(calib: CalibrationSet, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -167,7 +193,26 @@ def _replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
 
 
-def _quantize_step(ctx: LayerContext, method: Method, names: list[str]) -> dict[str, QuantizedWeight]:
+class _PhaseTimer:
+    """Wall time per phase; synchronizes the device at phase boundaries so GPU work is attributed."""
+
+    def __init__(self, device: torch.device, totals: dict[str, float]) -> None:
+        self.device, self.totals = device, totals
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
+
+
+def _quantize_step(
+    ctx: LayerContext, method: Method, names: list[str], timer: _PhaseTimer
+) -> dict[str, QuantizedWeight]:
     linears = {n: ctx.module(n) for n in names}
     quantizers = {n: method.linear_quantizer(lin) for n, lin in linears.items()}
     if method.needs_activations:
@@ -176,16 +221,21 @@ def _quantize_step(ctx: LayerContext, method: Method, names: list[str]) -> dict[
             for n, lin in linears.items()
         ]
         try:
-            ctx.forward()
+            with timer("forward+statistics"):
+                ctx.run_until(names)  # hooks registered first run first: statistics before the stop
         finally:
             for h in handles:
                 h.remove()
     results = {}
-    for n, q in quantizers.items():
-        qw = q.quantize()
-        q.free()
-        linears[n].weight.data.copy_(qw.dequantize(linears[n].weight.dtype))
-        results[n] = qw
+    with timer("solve"):
+        for n, q in quantizers.items():
+            try:
+                qw = q.quantize()
+            except QuantizationError as err:
+                raise QuantizationError(f"layer {ctx.index} {n}: {err}") from err
+            q.free()
+            linears[n].weight.data.copy_(qw.dequantize(linears[n].weight.dtype))
+            results[n] = qw
     return results
 
 
@@ -212,7 +262,9 @@ def quantize_model(
     method = get_method(config)
     report = QuantReport(config=config.to_dict(), calibration_tokens=calib.n_tokens)
     start = time.perf_counter()
-    inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
+    timer = _PhaseTimer(device, report.timings)
+    with timer("capture"):
+        inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
     layers = adapter.get_layers(model)
     progress = Progress(TextColumn("[bold]quantizing {task.fields[method]}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("{task.fields[note]}"), disable=not show_progress)
@@ -220,25 +272,30 @@ def quantize_model(
         task = progress.add_task("layers", total=len(layers), method=config.method, note="")
         for i, layer in enumerate(layers):
             t0 = time.perf_counter()
-            layer.to(device)
+            with timer("transfer"):
+                layer.to(device)
             ctx = LayerContext(i, layer, adapter, inputs, _move(layer_kwargs[i], device), masks, device)
-            entry: dict = {"layer": i, "smoothing": method.smooth_layer(ctx), "linears": {}}
+            with timer("smooth"):
+                entry: dict = {"layer": i, "smoothing": method.smooth_layer(ctx), "linears": {}}
             results: dict[str, QuantizedWeight] = {}
             for step in adapter.sequential:
-                results.update(_quantize_step(ctx, method, [n for n in step if _has(layer, n)]))
-            inputs = ctx.forward()
+                results.update(_quantize_step(ctx, method, [n for n in step if _has(layer, n)], timer))
+            with timer("forward (layer outputs)"):
+                inputs = ctx.forward()
             if not all(torch.isfinite(x).all() for x in inputs):
                 raise QuantizationError(f"layer {i} produced non-finite outputs after quantization")
             for name, qw in results.items():
                 linear = layer.get_submodule(name)
+                # packed on the work device (fast), moved to the CPU with the layer below
                 qlinear = QuantLinear.from_quantized(
-                    _to_cpu(qw), None if linear.bias is None else linear.bias.detach().cpu(),
-                    linear.weight.dtype, act_bits=config.act_bits)
+                    qw, None if linear.bias is None else linear.bias.detach(), linear.weight.dtype,
+                    act_bits=config.act_bits).to(device)
                 _replace_module(layer, name, qlinear)
                 entry["linears"][name] = qw.info
                 if qw.info.get("fallback"):
                     report.fallbacks.append(f"layer {i} {name}: {qw.info['fallback']}")
-            layer.to("cpu")
+            with timer("transfer"):
+                layer.to("cpu")
             entry["seconds"] = time.perf_counter() - t0
             report.layers.append(entry)
             progress.update(task, advance=1, note=f"{entry['seconds']:.1f}s/layer, {_memory_note(device)}")
@@ -252,10 +309,3 @@ def _has(layer: nn.Module, name: str) -> bool:
         return isinstance(layer.get_submodule(name), nn.Linear)
     except AttributeError:
         return False
-
-
-def _to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
-    qw.codes, qw.scales, qw.zeros = qw.codes.cpu(), qw.scales.cpu(), qw.zeros.cpu()
-    if qw.channel_scales is not None:
-        qw.channel_scales = qw.channel_scales.cpu()
-    return qw

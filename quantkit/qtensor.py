@@ -88,6 +88,8 @@ def compute_qparams(
         zero = None
     dead = scale == 0
     scale = torch.where(dead, torch.ones_like(scale), scale)
+    # Tiny groups would round to a zero fp16 scale (NaN codes); huge ones overflow it.
+    scale = scale.clamp(2**-24, 65504)
     # Round scales to fp16 now: exports store them in fp16, so error compensation must see those.
     scale = scale.to(torch.float16).to(torch.float32)
     if zero is None:

@@ -107,12 +107,15 @@ class QuantLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """[out, in] weight in the activation dtype, computed from the packed buffers."""
-        codes = unpack_along_rows(self.qweight, self.bits).to(self.scales.dtype)  # [in, out]
+        codes = unpack_along_rows(self.qweight, self.bits)  # [in, out]
         g = torch.arange(self.in_features, device=codes.device) // self.group_size
-        w = (codes - self.zeros[g].to(codes.dtype)) * self.scales[g]
+        q = codes.float() - self.zeros[g].float()
         if self.channel_scales is not None:
-            w = (w.float() * self.channel_scales).to(self.scales.dtype)
-        return w.t()
+            # QQQ's two-level W4A8: the int8 weight is round-half-even((q - z) * group scale), as the
+            # kernel (and QQQ's) computes it, then the per-channel scale.
+            w8 = torch.round(q * self.scales[g].float()).clamp(-128, 127)
+            return (w8 * self.channel_scales.float()).to(self.scales.dtype).t()
+        return (q.to(self.scales.dtype) * self.scales[g]).t()
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_bits == 8:

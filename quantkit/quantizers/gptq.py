@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -40,6 +43,17 @@ log = logging.getLogger("quantkit")
 
 DAMP_GROWTH = 10.0
 MAX_DAMP_ATTEMPTS = 4  # damp_percent x1, x10, x100, x1000 (0.01 -> up to 10 x mean(diag H))
+
+
+class WeightGrid(Protocol):
+    """A grid other than GPTQ's own (QQQ's): group parameters fixed up front, codes in [lowest, highest]."""
+
+    lowest: int
+    highest: int
+
+    def qparams(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """w [rows, groups, group] (dead inputs zeroed) -> scale, zero [rows, groups]."""
+        ...
 
 
 def inverse_hessian_factor(
@@ -63,7 +77,9 @@ def inverse_hessian_factor(
         retry = attempt + 1 < MAX_DAMP_ATTEMPTS
         log.warning(
             "GPTQ: the Hessian of %s is not positive definite with damp_percent=%g%s",
-            label, damp, f"; retrying with damp_percent={damp * DAMP_GROWTH:g}" if retry else "",
+            label,
+            damp,
+            f"; retrying with damp_percent={damp * DAMP_GROWTH:g}" if retry else "",
         )
     return None, damp
 
@@ -80,15 +96,19 @@ class _Block:
     errors: torch.Tensor  # [rows, n] out: (w - q) / U_jj, what the reference spreads over later columns
 
 
-def _quantize_block(b: _Block, dynamic_group: int | None, config: QuantConfig) -> None:
+def _quantize_block(
+    b: _Block, dynamic_group: int | None, config: QuantConfig, code_range: tuple[int, int]
+) -> None:
     """The reference's inner loop: quantize column i, spread its error over the block's later columns."""
     for i in range(b.weights.shape[1]):
         if dynamic_group is not None and i % dynamic_group == 0:
-            scale, zero = find_qparams(b.weights[:, i : i + dynamic_group], config.bits, config.sym, config.mse)
+            scale, zero = find_qparams(
+                b.weights[:, i : i + dynamic_group], config.bits, config.sym, config.mse
+            )
             b.scales[:, i : i + dynamic_group] = scale.unsqueeze(1)
             b.zeros[:, i : i + dynamic_group] = zero.unsqueeze(1)
         w, scale, zero = b.weights[:, i], b.scales[:, i], b.zeros[:, i]
-        q = quantize_codes(w, scale, zero, config.bits)
+        q = quantize_codes(w, scale, zero, config.bits).clamp_(*code_range)
         b.codes[:, i] = q
         b.errors[:, i] = (w - (q - zero) * scale) / b.hinv[i, i]
         b.weights[:, i + 1 :].addr_(b.errors[:, i], b.hinv[i, i + 1 :], alpha=-1)
@@ -99,14 +119,19 @@ class _BlockLoop:
     a CUDA graph and later blocks replay it: the loop is ~10 tiny kernels per column, so Python and launch
     overhead would otherwise dominate (the first block runs eagerly on a side stream: graph warm-up)."""
 
-    def __init__(self, like: torch.Tensor, n: int, dynamic_group: int | None, config: QuantConfig) -> None:
+    def __init__(
+        self, like: torch.Tensor, n: int, dynamic_group: int | None, config: QuantConfig,
+        code_range: tuple[int, int],
+    ) -> None:
         rows = like.shape[0]
         self.b = _Block(*(like.new_empty(shape) for shape in [(rows, n), (n, n)] + [(rows, n)] * 4))
-        self.dynamic_group, self.config = dynamic_group, config
+        self.dynamic_group, self.config, self.code_range = dynamic_group, config, code_range
         self.graph: torch.cuda.CUDAGraph | None = None
         self.warm = False
 
-    def run(self, weights: torch.Tensor, hinv: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> _Block:
+    def run(
+        self, weights: torch.Tensor, hinv: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+    ) -> _Block:
         b = self.b
         b.weights.copy_(weights)
         b.hinv.copy_(hinv)
@@ -117,7 +142,7 @@ class _BlockLoop:
             with torch.cuda.device(b.weights.device):  # graphs and streams belong to the current device
                 self._run_cuda()
         else:
-            _quantize_block(b, self.dynamic_group, self.config)
+            _quantize_block(b, self.dynamic_group, self.config, self.code_range)
         return b
 
     def _run_cuda(self) -> None:
@@ -125,14 +150,14 @@ class _BlockLoop:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                _quantize_block(self.b, self.dynamic_group, self.config)
+                _quantize_block(self.b, self.dynamic_group, self.config, self.code_range)
             torch.cuda.current_stream().wait_stream(side)
             self.warm = True
             return
         if self.graph is None:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                _quantize_block(self.b, self.dynamic_group, self.config)
+                _quantize_block(self.b, self.dynamic_group, self.config, self.code_range)
         self.graph.replay()
 
 
@@ -144,6 +169,7 @@ def _quantize_columns(
     column_groups: torch.Tensor,
     dynamic_group: int | None,
     config: QuantConfig,
+    code_range: tuple[int, int],
 ) -> tuple[torch.Tensor, float]:
     """The reference's lazy-batch loop. W [rows, cols] (processing order) is overwritten.
 
@@ -160,13 +186,17 @@ def _quantize_columns(
     block = config.block_size
     if dynamic_group is not None:
         block = max(dynamic_group, block - block % dynamic_group)
-    loops = {n: _BlockLoop(W, n, dynamic_group, config) for n in {min(block, cols), cols % block} if n}
+    loops = {
+        n: _BlockLoop(W, n, dynamic_group, config, code_range) for n in {min(block, cols), cols % block} if n
+    }
     codes = torch.empty(rows, cols, dtype=torch.uint8, device=W.device)
     loss = W.new_zeros(())
     for start in range(0, cols, block):
         end = min(start + block, cols)
         groups = column_groups[start:end]
-        b = loops[end - start].run(W[:, start:end], U[start:end, start:end], scales[:, groups], zeros[:, groups])
+        b = loops[end - start].run(
+            W[:, start:end], U[start:end, start:end], scales[:, groups], zeros[:, groups]
+        )
         if dynamic_group is not None:
             scales[:, groups[::dynamic_group]] = b.scales[:, ::dynamic_group]
             zeros[:, groups[::dynamic_group]] = b.zeros[:, ::dynamic_group]
@@ -177,11 +207,19 @@ def _quantize_columns(
 
 
 def _rtn_fallback(
-    weight: torch.Tensor, hessian: torch.Tensor | None, config: QuantConfig, reason: str, **info: object
+    weight: torch.Tensor,
+    hessian: torch.Tensor | None,
+    config: QuantConfig,
+    reason: str,
+    grid: WeightGrid | None = None,
+    **info: object,
 ) -> QuantizedWeight:
     """RTN-quantize the layer; info["loss"] is then the same objective with the undamped Hessian."""
     log.warning("GPTQ: %s for %s; falling back to RTN", reason, layer_label(weight))
-    result = rtn_quantize(weight, config.bits, config.group_size, config.sym, config.mse)
+    if grid is None:
+        result = rtn_quantize(weight, config.bits, config.group_size, config.sym, config.mse)
+    else:  # with an identity Hessian no error is spread: GPTQ is RTN on the grid
+        result = gptq_quantize(weight, torch.eye(weight.shape[1], device=weight.device), config, grid)
     loss = math.nan
     if hessian is not None:
         delta = weight.detach().to(torch.float32) - result.dequantize()
@@ -190,10 +228,13 @@ def _rtn_fallback(
     return result
 
 
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConfig) -> QuantizedWeight:
+def gptq_quantize(
+    weight: torch.Tensor, hessian: torch.Tensor, config: QuantConfig, grid: WeightGrid | None = None
+) -> QuantizedWeight:
     """GPTQ-quantize weight [out, in] (untouched) given H [in, in], on weight's device.
 
     The math runs in fp32 (fp64 for a float64 weight, which the reference tests use to compare exactly).
+    `grid` replaces the min-max grid of config.bits/sym/mse; its parameters are static, as with act-order.
     """
     dtype = torch.promote_types(weight.dtype, torch.float32)
     W = weight.detach().to(dtype, copy=True)
@@ -205,8 +246,10 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
     W[:, dead] = 0
 
     # Per-channel parameters are static in the reference as well (found once, before any update).
-    static = config.act_order or group == cols
-    if static:
+    static = config.act_order or group == cols or grid is not None
+    if grid is not None:
+        scales, zeros = grid.qparams(W.view(rows, cols // group, group))
+    elif static:
         scales, zeros = find_qparams(W.view(rows, cols // group, group), config.bits, config.sym, config.mse)
     else:
         scales, zeros = W.new_empty(rows, cols // group), W.new_empty(rows, cols // group)
@@ -218,11 +261,18 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
     U, damp_percent = inverse_hessian_factor(H, config.damp_percent, layer_label(weight))
     del H
     if U is None:
-        return _rtn_fallback(weight, hessian, config, "Cholesky failed at every damping", damp_percent=damp_percent)
+        return _rtn_fallback(
+            weight, hessian, config, "Cholesky failed at every damping", grid, damp_percent=damp_percent
+        )
     column_groups = order // group
-    codes, loss = _quantize_columns(W, U, scales, zeros, column_groups, None if static else group, config)
+    code_range = (0, 2**config.bits - 1) if grid is None else (grid.lowest, grid.highest)
+    codes, loss = _quantize_columns(
+        W, U, scales, zeros, column_groups, None if static else group, config, code_range
+    )
     if not math.isfinite(loss):
-        return _rtn_fallback(weight, hessian, config, "GPTQ produced a non-finite loss", damp_percent=damp_percent)
+        return _rtn_fallback(
+            weight, hessian, config, "GPTQ produced a non-finite loss", grid, damp_percent=damp_percent
+        )
     if config.act_order:
         codes = codes[:, torch.argsort(order)]
     return QuantizedWeight(
@@ -236,35 +286,52 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
     )
 
 
+@contextmanager
+def _tf32_matmul(enabled: bool) -> Iterator[None]:
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled or previous
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
 class GPTQQuantizer(LinearQuantizer):
     def __init__(self, linear: nn.Linear, config: QuantConfig) -> None:
         super().__init__(linear, config)
         self.H: torch.Tensor | None = None  # fp32 [in, in] on the device of the activations
+        self.grid: WeightGrid | None = None  # None: GPTQ's min-max grid (QQQ sets its own)
         self.nsamples = 0
 
     def add_batch(self, x: torch.Tensor) -> None:
         tokens = x.shape[0]
         if tokens == 0:  # e.g. an MoE expert no token was routed to
             return
+        half_input = x.dtype in (torch.float16, torch.bfloat16)
         x = x.to(torch.float32)
         if self.H is None:
             self.H = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
         total = self.nsamples + tokens
         # Running mean of 2 x x^T over tokens (reference add_batch; GPTQModel's single addmm_ form).
-        self.H.addmm_(x.T, x, beta=self.nsamples / total, alpha=2 / total)
+        # fp16/bf16 inputs have at most TF32's 10-bit mantissa, so TF32 tensor cores multiply them
+        # exactly (fp32 accumulation): ~8x the fp32 rate on the down_proj Hessian, same numbers.
+        with _tf32_matmul(half_input and x.is_cuda):
+            self.H.addmm_(x.T, x, beta=self.nsamples / total, alpha=2 / total)
         self.nsamples = total
 
     def quantize(self) -> QuantizedWeight:
         weight = self.linear.weight
         check_finite_weights(weight)
         if self.H is None:
-            return _rtn_fallback(weight, None, self.config, "no calibration tokens reached this layer", nsamples=0)
+            return _rtn_fallback(
+                weight, None, self.config, "no calibration tokens reached this layer", self.grid, nsamples=0
+            )
         if not torch.isfinite(self.H).all():
             raise QuantizationError(
                 f"the calibration inputs of {layer_label(weight)} contain NaN/Inf; "
                 "the model overflows in its dtype on the calibration data (try a float32 or bfloat16 load)"
             )
-        result = gptq_quantize(weight, self.H, self.config)
+        result = gptq_quantize(weight, self.H, self.config, self.grid)
         result.info["nsamples"] = self.nsamples
         return result
 

@@ -1,0 +1,300 @@
+"""Check and time the W4A16 / W4A8 kernels against cuBLAS fp16 (F.linear) on Llama shapes.
+
+    python benchmarks/bench_kernels.py --out benchmarks/kernels [--check] [--schemes w4a16 w4a8]
+
+Every timing is the median over replays of a CUDA graph that holds several calls, each on its own copy of
+weights and inputs (enough copies to overflow L2, so no call finds its weight cached), divided by the calls.
+The baseline runs the same way in the same process. W4A8 times include the activation quantization.
+Writes results.json, results.md (date, device, command, git commit) and speedup.png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from quantkit.kernels import make_kernel_forward
+
+from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
+
+SHAPES = {  # name: (K, N)
+    "8B qkv": (4096, 6144), "8B o": (4096, 4096), "8B gate_up": (4096, 28672), "8B down": (14336, 4096),
+    "70B gate_up": (8192, 57344), "70B down": (28672, 8192),
+}
+MS = (1, 4, 16, 64, 256, 1024, 4096)
+L2_BYTES = 60 * 2**20
+DTYPE = torch.float16
+
+
+def random_layer(k: int, n: int, group: int, scheme: str, dtype: torch.dtype = DTYPE, sym: bool = True,
+                 bias: bool = False) -> QuantLinear:
+    """Random QuantLinear on the GPU: W4A16, W4A8 per-channel (group -1) or W4A8 two-level (group > 0)."""
+    two_level = scheme == "w4a8" and group != -1
+    layer = QuantLinear(k, n, 4, group, bias, 8 if scheme == "w4a8" else 16, two_level, dtype).cuda()
+    layer.qweight.copy_(torch.randint(-2**31, 2**31 - 1, layer.qweight.shape, dtype=torch.int32, device="cuda"))
+    g = layer.scales.shape[0]
+    if two_level:
+        layer.scales.copy_(1 + 7.5 * torch.rand(g, n, device="cuda"))
+        layer.channel_scales.copy_(1e-3 + 1e-2 * torch.rand(n, device="cuda"))
+    else:
+        layer.scales.copy_(5e-3 + 2e-2 * torch.rand(g, n, device="cuda"))
+    zeros = torch.full((g, n), 8) if sym else torch.randint(0, 16, (g, n))
+    layer.zeros.copy_(zeros.to(torch.uint8))
+    if bias:
+        layer.bias.copy_(torch.randn(n, device="cuda"))
+    return layer
+
+
+def reference(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """float64 result: W4A16 dequantized weights; W4A8 exact int8 semantics (QQQ's rounding)."""
+    q = unpack_along_rows(layer.qweight, 4).double()
+    g = torch.arange(layer.in_features, device=x.device) // layer.group_size
+    w = q - layer.zeros[g].double()
+    if layer.act_bits == 16:
+        out = x.double() @ (w * layer.scales[g].double())
+    else:
+        scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8) / 127.0
+        xq = torch.round(x.float() / scale).clamp(-127, 127).double()
+        if layer.channel_scales is not None:
+            w, channel = torch.round(w * layer.scales[g].double()), layer.channel_scales.double()
+        else:
+            channel = layer.scales[0].double()
+        out = (xq @ w) * scale.double() * channel
+    return out if layer.bias is None else out + layer.bias.double()
+
+
+def run_config(layer: QuantLinear, x: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """One explicit config (bypassing the tuner), with the buffers make_kernel_forward would pass."""
+    from quantkit.kernels.w4a8 import w4a8_matmul
+    from quantkit.kernels.w4a16 import w4a16_matmul
+
+    zeros = None if bool((layer.zeros == 8).all()) else layer.zeros
+    if layer.act_bits == 16:
+        return w4a16_matmul(x, layer.qweight, layer.scales, zeros, layer.bias, layer.group_size, cfg)
+    two = layer.channel_scales is not None
+    channel = layer.channel_scales if two else layer.scales[0].float()
+    zeros = zeros if two or zeros is None else zeros[0].contiguous()
+    return w4a8_matmul(x, layer.qweight, channel, layer.scales if two else None, zeros, layer.bias,
+                       layer.group_size, cfg)
+
+
+def check_correctness(log, schemes: list[str]) -> int:
+    """Configs vs float64 (every candidate for the benchmarked fp16 g128 layers, the default elsewhere),
+    then torch.compile and CUDA-graph capture through QuantLinear.forward."""
+    from quantkit.kernels.autotune import candidates
+
+    failures = 0
+    cases = [("w4a16", 128, torch.float16, True, True), ("w4a16", 32, torch.bfloat16, False, False),
+             ("w4a16", -1, torch.float16, False, False), ("w4a16", 128, torch.bfloat16, True, False),
+             ("w4a8", 128, torch.float16, True, True), ("w4a8", -1, torch.float16, True, True),
+             ("w4a8", -1, torch.bfloat16, False, False), ("w4a8", 128, torch.bfloat16, False, False)]
+    for scheme, group, dtype, sym, sweep in [c for c in cases if c[0] in schemes]:
+        layer = random_layer(1024, 776, group, scheme, dtype, sym, bias=True)
+        forward = make_kernel_forward(layer)
+        tol = 2e-3 if dtype == torch.float16 else 1.2e-2
+        for m in (1, 3, 64, 300, 1100):
+            x = torch.randn(m, 1024, device="cuda", dtype=dtype)
+            ref = reference(layer, x)
+            configs = candidates(scheme, m, 776, 1024, layer.group_size)
+            for cfg in configs if sweep else configs[:1]:
+                out = run_config(layer, x, cfg)
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                if not err < tol:
+                    failures += 1
+                    log(f"FAIL {scheme} g{group} {dtype} sym={sym} m={m} {cfg}: rel err {err:.2e}")
+            err = ((forward(x).double() - ref).norm() / ref.norm()).item()
+            if not err < tol:
+                failures += 1
+                log(f"FAIL forward {scheme} g{group} {dtype} sym={sym} m={m}: rel err {err:.2e}")
+        log(f"checked {scheme} g{group} {dtype} sym={sym}")
+    # torch.compile and manual CUDA-graph capture through QuantLinear.forward
+    for scheme, group in [c for c in (("w4a16", 128), ("w4a8", 128), ("w4a8", -1)) if c[0] in schemes]:
+        layer = random_layer(2048, 1024, group, scheme, bias=True)
+        layer.prepare_kernels()
+        x = torch.randn(8, 2048, device="cuda", dtype=DTYPE)
+        ref = layer(x)
+        compiled = torch.compile(layer, fullgraph=True)
+        ok_compile = torch.allclose(compiled(x), ref, rtol=1e-3, atol=1e-3)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ok_graph = torch.allclose(out, layer(x), rtol=1e-3, atol=1e-3)
+        failures += (not ok_compile) + (not ok_graph)
+        log(f"{scheme} g{group}: torch.compile {'ok' if ok_compile else 'FAIL'}, cuda graph {'ok' if ok_graph else 'FAIL'}")
+    return failures
+
+
+def graph_time(calls: list, reps: int = 20) -> float:
+    """Median seconds per call: one CUDA graph holds every call once (each on its own buffers)."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(calls))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def copies_for(bytes_per_call: int) -> int:
+    return max(1, min(16, math.ceil(3 * L2_BYTES / bytes_per_call)))
+
+
+def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict) -> dict:
+    fp16_bytes = 2 * (k * n + m * k + m * n)
+    q_bytes = k * n // 2 + 2 * n * (k // (group if group > 0 else k)) + 2 * (m * k + m * n)
+    base_calls, quant_calls = [], []
+    for _ in range(copies_for(fp16_bytes)):
+        w = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02
+        x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+        base_calls.append(lambda w=w, x=x: F.linear(x, w))
+    t_base = graph_time(base_calls)
+    del base_calls
+    key = (scheme, k, n, group)
+    if key not in layers:
+        layers.clear()
+        layers[key] = [random_layer(k, n, group, scheme) for _ in range(copies_for(q_bytes))]
+    for layer in layers[key]:
+        forward = make_kernel_forward(layer)
+        x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+        forward(x)  # tunes this M bucket (outside the capture), or reads the cache
+        quant_calls.append(lambda f=forward, x=x: f(x))
+    t_quant = graph_time(quant_calls)
+    return dict(t_cublas_us=t_base * 1e6, t_kernel_us=t_quant * 1e6, speedup=t_base / t_quant,
+                kernel_GBps=q_bytes / t_quant / 1e9, cublas_GBps=fp16_bytes / t_base / 1e9,
+                kernel_TFLOPs=2 * m * n * k / t_quant / 1e12, cublas_TFLOPs=2 * m * n * k / t_base / 1e12)
+
+
+def tensor_core_report() -> dict:
+    """Which compiled Triton kernels use wgmma / mma.sync (from their PTX), per kernel and tile."""
+    from quantkit.kernels import w4a8, w4a16
+
+    report = {}
+    for mod in (w4a16, w4a8):
+        for name in dir(mod):
+            fn = getattr(mod, name)
+            caches = getattr(fn, "device_caches", None)
+            if not caches:
+                continue
+            for entry in caches.values():
+                for compiled in entry[0].values():
+                    ptx = compiled.asm.get("ptx", "")
+                    key = f"{name} {compiled.name} warps={compiled.metadata.num_warps}"
+                    report[key] = dict(wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
+                                       regs=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
+                                       shared=compiled.metadata.shared)
+    return report
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    schemes = sorted({r["scheme"] for r in results})
+    fig, axes = plt.subplots(1, len(schemes), figsize=(7 * len(schemes), 5), squeeze=False)
+    for ax, scheme in zip(axes[0], schemes, strict=True):
+        for shape in SHAPES:
+            rows = [r for r in results if r["scheme"] == scheme and r["shape"] == shape]
+            ax.plot([r["M"] for r in rows], [r["speedup"] for r in rows], marker="o", label=shape)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("M (tokens)")
+        ax.set_ylabel("speedup over cuBLAS fp16 F.linear")
+        ax.set_title(f"{scheme} ({results[0]['device']}, CUDA graph replay)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def markdown(meta: dict, results: list[dict]) -> str:
+    lines = [f"# Kernel benchmark ({meta['date']})", "", f"- device: {meta['device']}",
+             f"- command: `{meta['command']}`", f"- git commit: {meta['commit']}",
+             f"- torch {meta['torch']}, triton {meta['triton']}", ""]
+    lines += ["| scheme | shape | M | cuBLAS us | kernel us | speedup | kernel GB/s | kernel TFLOP/s | config |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['scheme']} | {r['shape']} | {r['M']} | {r['t_cublas_us']:.1f} | {r['t_kernel_us']:.1f} | "
+                     f"{r['speedup']:.2f} | {r['kernel_GBps']:.0f} | {r['kernel_TFLOPs']:.1f} | {r.get('config', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/kernels"))
+    parser.add_argument("--check", action="store_true", help="check every config against float64 first")
+    parser.add_argument("--schemes", nargs="+", default=["w4a16", "w4a8"])
+    parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--ms", type=int, nargs="+", default=list(MS))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    logfile = open(args.out / "log.txt", "a")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        logfile.write(msg + "\n")
+        logfile.flush()
+
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
+                command=" ".join(sys.argv), commit=commit or "uncommitted", torch=torch.__version__,
+                triton=triton.__version__)
+    torch.manual_seed(0)
+    if args.check:
+        t0 = time.time()
+        failures = check_correctness(log, args.schemes)
+        log(f"correctness: {failures} failures ({time.time() - t0:.0f}s)")
+        (args.out / "tensor_cores.json").write_text(json.dumps(tensor_core_report(), indent=1))
+    from quantkit.kernels.autotune import _cache, m_bucket
+
+    results, layers = [], {}
+    for scheme in args.schemes:
+        for shape, (k, n) in SHAPES.items():
+            for m in args.ms:
+                t0 = time.time()
+                row = dict(scheme=scheme, shape=shape, K=k, N=n, M=m, group=args.group, device=meta["device"],
+                           **bench_cell(scheme, k, n, m, args.group, layers))
+                flags = "z0" if scheme == "w4a16" else "z0two1" if args.group > 0 else "z0two0"
+                g = args.group if args.group > 0 else k
+                key = f"{meta['device']}|{scheme}|{DTYPE}|N{n}|K{k}|g{g}|{flags}|M{m_bucket(m)}"
+                row["config"] = json.dumps(_cache().get(key) or "default").replace('"', "")
+                results.append(row)
+                log(f"{scheme} {shape} M={m}: {row['t_kernel_us']:.1f}us vs {row['t_cublas_us']:.1f}us "
+                    f"= {row['speedup']:.2f}x ({row['kernel_GBps']:.0f} GB/s, {row['kernel_TFLOPs']:.0f} TF/s) "
+                    f"[{time.time() - t0:.1f}s] {row['config']}")
+                (args.out / "results.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    (args.out / "results.md").write_text(markdown(meta, results))
+    (args.out / "tensor_cores.json").write_text(json.dumps(tensor_core_report(), indent=1))
+    plot(results, args.out / "speedup.png")
+    for r in results:
+        print(f"{r['scheme']:6s} {r['shape']:12s} M={r['M']:5d} {r['speedup']:5.2f}x {r['kernel_GBps']:6.0f}GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

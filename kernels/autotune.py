@@ -1,0 +1,158 @@
+"""Kernel configurations: a fixed heuristic default per M bucket, optional timing-based tuning, and a
+JSON cache of tuned choices (one file per user, keyed by device, kernel, dtype, shape and M bucket) so a
+warm process never re-tunes.
+
+QUANTKIT_AUTOTUNE=0 turns tuning off (defaults only). QUANTKIT_CACHE_DIR moves the cache
+(default ~/.cache/quantkit). Tuning never runs while a CUDA graph is being captured: a capture that meets
+an untuned bucket uses the default for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+SMS_TO_FILL = 2 * 132  # two waves of programs on an H100/H200 keep every SM busy when K is split
+
+
+def m_bucket(m: int) -> int:
+    """The smallest bucket holding m (the largest bucket for anything above it)."""
+    return next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
+
+
+def _split_k(tiles: int, k_tiles: int) -> int:
+    """Power-of-two split of K that gets `tiles` output tiles to about two programs per SM."""
+    split = 1
+    while tiles * split < SMS_TO_FILL and split * 2 <= min(16, k_tiles // 2):
+        split *= 2
+    return split
+
+
+def _tile(kernel: str, block_m: int, block_n: int, block_k: int, warps: int, stages: int, m: int, n: int,
+          k: int, split: int | None = None) -> dict:
+    tiles = -(-m // block_m) * -(-n // block_n)
+    split = _split_k(tiles, k // block_k) if split is None else split
+    return dict(kernel=kernel, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+                num_warps=warps, num_stages=stages)
+
+
+def _fits(cfg: dict, k: int, group: int) -> bool:
+    bk = cfg.get("BLOCK_K", 32)
+    return k % bk == 0 and (group % bk == 0 or bk % group == 0)
+
+
+def candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
+    """Configs worth timing for this problem, the heuristic default first. scheme: 'w4a16' or 'w4a8'."""
+    b = m_bucket(m)
+    out: list[dict] = []
+    bk_min = 32 if scheme == "w4a16" else 64  # int8 dot needs K >= 32 per instruction; 64 keeps it fed
+    if b <= 16:
+        tiles = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (16, 128, 256, 8, 3)]
+    elif b <= 64:
+        tiles = [(b, 64, 128, 4, 4), (b, 128, 128, 4, 3), (b, 128, 64, 4, 4), (b, 64, 256, 4, 3)]
+    else:
+        tiles = [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
+                 (64, 256, 64, 8, 4)]
+    for bm, bn, bk, warps, stages in tiles:
+        bk = max(bk, bk_min)
+        cfg = _tile("gemm", bm, bn, bk, warps, stages, m, n, k)
+        out.append(cfg)
+        if cfg["SPLIT_K"] > 1:  # the heuristic split and one half as deep
+            out.append({**cfg, "SPLIT_K": cfg["SPLIT_K"] // 2})
+    if scheme == "w4a16" and b <= 4:  # one program per row: the default for a single token
+        gemv = [_tile("gemv", 1, bn, bk, 4, 2, 1, n, k) for bn, bk in
+                ((64, 128), (128, 64), (32, 256), (64, 256), (128, 128))]
+        out = gemv + out if b == 1 else out + gemv
+    if b >= 256:
+        big = "dequant_mm" if scheme == "w4a16" else "int_mm"
+        out.insert(0 if b >= 1024 else len(out), dict(kernel=big))
+    return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm") or _fits(c, k, group)]
+
+
+class TuningCache:
+    """Tuned configs by key, loaded lazily from and written through to one JSON file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._entries: dict[str, dict] | None = None
+
+    def _load(self) -> dict[str, dict]:
+        if self._entries is None:
+            try:
+                self._entries = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                self._entries = {}
+        return self._entries
+
+    def get(self, key: str) -> dict | None:
+        return self._load().get(key)
+
+    def put(self, key: str, config: dict) -> None:
+        entries = self._load()
+        entries[key] = config
+        try:  # write-then-rename: concurrent processes never read a half-written file
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
+                json.dump(entries, f, indent=1, sort_keys=True)
+            os.replace(f.name, self.path)
+        except OSError as err:
+            log.warning("could not save kernel tuning cache %s: %s", self.path, err)
+
+
+def cache_path() -> Path:
+    root = os.environ.get("QUANTKIT_CACHE_DIR") or Path.home() / ".cache" / "quantkit"
+    return Path(root) / "kernel_tuning.json"
+
+
+_CACHE: TuningCache | None = None
+
+
+def _cache() -> TuningCache:
+    global _CACHE
+    if _CACHE is None or _CACHE.path != cache_path():
+        _CACHE = TuningCache(cache_path())
+    return _CACHE
+
+
+def tuning_enabled() -> bool:
+    return os.environ.get("QUANTKIT_AUTOTUNE", "1") != "0"
+
+
+def _median_time(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median"))
+
+
+def pick_config(scheme: str, x: torch.Tensor, n: int, k: int, group: int, flags: str,
+                run: Callable[[dict], object]) -> dict:
+    """The config for this call: cached, else tuned (timing run(config) for each candidate), else default."""
+    m = x.shape[0]
+    options = candidates(scheme, m, n, k, group)
+    if not (x.is_cuda and tuning_enabled()):
+        return options[0]
+    key = f"{torch.cuda.get_device_name(x.device)}|{scheme}|{x.dtype}|N{n}|K{k}|g{group}|{flags}|M{m_bucket(m)}"
+    cached = _cache().get(key)
+    if cached is not None:
+        return cached
+    if torch.cuda.is_current_stream_capturing() or len(options) == 1:
+        return options[0]
+    timings = []
+    for cfg in options:
+        try:
+            timings.append((_median_time(lambda cfg=cfg: run(cfg)), cfg))
+        except Exception as err:  # a config the compiler rejects (e.g. out of shared memory) just loses
+            log.debug("config %s failed: %s", cfg, err)
+    best = min(timings, key=lambda t: t[0])[1] if timings else options[0]
+    log.info("tuned %s: %s", key, best)
+    _cache().put(key, best)
+    return best

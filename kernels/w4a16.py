@@ -1,0 +1,209 @@
+"""W4A16 GEMM: fp16/bf16 activations [M, K] x packed int4 weights -> [M, N].
+
+The weight stays in QuantLinear's K-packed layout (int32 [K/8, N], nibble j of row r is input 8r+j): a tile
+of it is a coalesced [BLOCK_K/8, BLOCK_N] load along N, which is what every path below wants, so no repack.
+
+Three paths, chosen per M bucket by quantkit.kernels.autotune:
+  gemv        M small: no tensor cores, fp32 FMAs. Each nibble is masked *in place* (no shift per element):
+              OR-ing it into the mantissa of 2**23 gives 2**23 + q * 16**i exactly, and the activation is
+              pre-scaled by 16**-i once per tile instead (the high 16 bits of each word get one shift).
+  gemm        tiled tl.dot (tensor cores) on weights dequantized in registers; split-K for small grids.
+  dequant_mm  M large: dequantize the whole weight once, then cuBLAS (vLLM does the same for AWQ above
+              a token threshold); the dequant costs ~K*N*2.5 bytes, small next to a compute-bound GEMM.
+Split-K programs write fp32 partials that `splitk_reduce` sums (plus bias) into the output: two launches,
+no atomics, deterministic.
+
+Numerics match QuantLinear.reference_forward: w = (q - zero) * scale rounded once to the activation dtype
+(products of a 4-bit integer and a 16-bit scale are exact in fp32, so rounding once is the same thing),
+fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAGIC_F32 = tl.constexpr(8388608.0)  # 2**23: OR-ing an integer below 2**23 into its mantissa adds it exactly
+
+
+@triton.jit
+def _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """Scale and zero point (fp32) for the 8-input rows k0 + 8r of a K tile: [1, BN] if one group spans the
+    tile, else [ROWS, BN] (groups are multiples of 8, so a packed row never straddles two groups)."""
+    if BLOCK_K <= GROUP:
+        g = (k0 // GROUP) + tl.zeros([1], dtype=tl.int32)
+    else:
+        g = (k0 + 8 * tl.arange(0, ROWS)) // GROUP
+    idx = g[:, None] * N + offs_n[None, :]
+    s = tl.load(s_ptr + idx, mask=n_mask[None, :], other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + idx, mask=n_mask[None, :], other=0).to(tl.float32)
+    else:
+        z = tl.full(s.shape, 8.0, tl.float32)
+    return s, z
+
+
+@triton.jit
+def dequant_tile(words, s, z, OUT_DTYPE: tl.constexpr):
+    """Packed words [R, BN] with per-row scale/zero [R or 1, BN] -> weights [8R, BN] in OUT_DTYPE."""
+    shifts = tl.arange(0, 8) * 4
+    codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+    if OUT_DTYPE == tl.float16:
+        # 0x6400 | q is fp16 1024 + q: no int->float conversion, and (1024+q) - (1024+z) is exact.
+        w = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        w = (w - (z + 1024.0).to(tl.float16)[:, None, :]) * s.to(tl.float16)[:, None, :]
+    else:
+        w = (codes | 0x4B000000).to(tl.float32, bitcast=True) - MAGIC_F32
+        w = ((w - z[:, None, :]) * s[:, None, :]).to(OUT_DTYPE)
+    return tl.reshape(w, (words.shape[0] * 8, words.shape[1]))
+
+
+@triton.jit
+def _store_output(acc, out_ptr, part_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k,
+                  SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc [BM, BN] fp32: final output (bias added, cast) or one split's fp32 partial."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    idx = offs_m[:, None] * N + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_k * M * N + idx, acc, mask=mask)
+
+
+@triton.jit
+def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, M, N, K,
+                       GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    # M-blocks of one weight tile are neighbours in launch order, so the weight comes from DRAM once.
+    pid_m, pid_n = pid % grid_m, pid // grid_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    ROWS: tl.constexpr = BLOCK_K // 8
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+        k0 = t * BLOCK_K
+        x = tl.load(x_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :],
+                    mask=m_mask[:, None], other=0.0)
+        words = tl.load(qw_ptr + (k0 // 8 + tl.arange(0, ROWS))[:, None] * N + offs_n[None, :],
+                        mask=n_mask[None, :], other=0)
+        s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
+        w = dequant_tile(words, s, z, x_ptr.dtype.element_ty)
+        if UPCAST_DOT:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    _store_output(acc, out_ptr, part_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, M, N, K,
+                       GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    pid_n, pid_k, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    ROWS: tl.constexpr = BLOCK_K // 8
+    rows, nib = tl.arange(0, ROWS), tl.arange(0, 4)
+    # Element [r, n, h, i] is input 8r + 4h + i; h selects the word's 16-bit half, i the nibble in it.
+    k_in_tile = (8 * rows[:, None, None] + 4 * tl.arange(0, 2)[None, :, None] + nib[None, None, :])[:, None]
+    pow16 = (1 << (4 * nib)).to(tl.float32)
+    inv_pow16 = 1.0 / pow16  # exact powers of two
+    acc = tl.zeros((ROWS, BLOCK_N, 2, 4), dtype=tl.float32)
+    for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+        k0 = t * BLOCK_K
+        x = tl.load(x_ptr + m * K + k0 + k_in_tile).to(tl.float32) * inv_pow16
+        words = tl.load(qw_ptr + (k0 // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+        halves = tl.join(words & 0xFFFF, (words >> 16) & 0xFFFF)
+        q = ((halves[:, :, :, None] & (0xF << (4 * nib))) | 0x4B000000).to(tl.float32, bitcast=True)
+        s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
+        base = MAGIC_F32 + z[:, :, None, None] * pow16  # exact: z * 16**i < 2**16
+        acc += (q - base) * s[:, :, None, None] * x
+    out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
+    _store_output(out[None, :], out_ptr, part_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
+                  SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_k, pid_n = tl.program_id(0), tl.program_id(1)
+    k0 = pid_k * BLOCK_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    ROWS: tl.constexpr = BLOCK_K // 8
+    words = tl.load(qw_ptr + (k0 // 8 + tl.arange(0, ROWS))[:, None] * N + offs_n[None, :],
+                    mask=n_mask[None, :], other=0)
+    s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
+    w = dequant_tile(words, s, z, w_ptr.dtype.element_ty)
+    tl.store(w_ptr + (k0 + tl.arange(0, BLOCK_K))[:, None] * N + offs_n[None, :], w, mask=n_mask[None, :])
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def splitk_reduce(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """out[m, n] = sum_s partials[s, m, n] (+ bias[n]), cast to out's dtype."""
+    split, m, n = partials.shape
+    block = 1024
+    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+        partials, bias if bias is not None else partials, out, m, n, SPLIT_K=split,
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               group_size: int) -> torch.Tensor:
+    """[K, N] weight in the scales' dtype (the `dequant_mm` path; also a fast dequantizer)."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    w = torch.empty(k, n, dtype=scales.dtype, device=qweight.device)
+    block_k = 64 if k % 64 == 0 else 32
+    _dequant_kernel[(k // block_k, triton.cdiv(n, 128))](
+        qweight, scales, zeros if zeros is not None else scales, w, n, GROUP=group_size,
+        HAS_ZEROS=zeros is not None, BLOCK_N=128, BLOCK_K=block_k, num_warps=4)
+    return w
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 bias: torch.Tensor | None, group_size: int, config: dict) -> torch.Tensor:
+    """x [M, K] contiguous (scales' dtype) -> [M, N] with the given path/tile config (see autotune)."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    if config["kernel"] == "dequant_mm":
+        w = dequantize(qweight, scales, zeros, group_size)
+        return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
+    split = config["SPLIT_K"]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    args = (x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
+            out, part, m, n, k)
+    flags = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
+                 BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], SPLIT_K=split,
+                 num_warps=config["num_warps"], num_stages=config["num_stages"])
+    if config["kernel"] == "gemv":
+        _w4a16_gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]), split, m)](*args, **flags)
+    else:
+        grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split)
+        # Triton's CPU interpreter gets bf16 tl.dot wrong (3.9): there, and only there, multiply in fp32.
+        upcast = x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+        _w4a16_gemm_kernel[grid](*args, BLOCK_M=config["BLOCK_M"], UPCAST_DOT=upcast, **flags)
+    return splitk_reduce(part, bias, out) if split > 1 else out

@@ -1,0 +1,189 @@
+"""W4A8 GEMM: per-token dynamic int8 activations x int4 weights, int32 accumulation on int8 tensor cores.
+
+Step 1 (`quantize_rows`, one small kernel): per token s = max|x| / 127 (fp32, at least 1e-8 / 127),
+x_int8 = round_half_even(x / s) clamped to [-127, 127], plus the token's sum of x_int8 (for zero points).
+This is exactly QuantLinear's quantize_activations_per_token, before its rounding back to fp16.
+
+Step 2 (GEMM, int8 x int8 -> int32 over all of K), weights widened from the K-packed int4 codes q:
+  per-channel  w = q (0..15 as int8); the zero point comes out in the epilogue as z * sum(x_int8), and
+               out = acc * token_scale * scale[n].
+  two-level    QQQ's scheme: w_int8 = round_half_even((q - z) * group_scale) with the fp16 group scale
+               (QQQ's qqq_gemm.cu does this with one fp16 FMA onto 1152, i.e. rounds the exact product
+               once to nearest-even; it wraps out-of-range values, we refuse such layers up front), then
+               out = acc * token_scale * channel_scale[n].
+The product of a 4-bit integer and an fp16 scale is exact in fp32, so adding and subtracting 1.5 * 2**23
+rounds it once, to nearest-even. (Reading the int8 straight from the low mantissa bits by a bitcast gave
+wrong results inside the tl.dot operand on an H200 with Triton 3.6, though right elsewhere: not used.)
+
+Paths (chosen by quantkit.kernels.autotune): `gemm` (Triton tl.dot on int8, split-K for small grids) and,
+for large M, `int_mm` (widen the weight to int8 once per call, cuBLAS int8 GEMM via torch._int_mm, then a
+scaling epilogue kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .w4a16 import MAGIC_F32, _group_rows, _store_output, splitk_reduce
+
+ROUND_F32 = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + ROUND_F32 rounds x to an integer (nearest-even) for |x| < 2**22
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, sum_ptr, K, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-8), 127.0)
+    total = tl.zeros((BLOCK,), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
+        q = (tl.math.div_rn(x, scale) + ROUND_F32) - ROUND_F32
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
+        tl.store(xq_ptr + row * K + offs, q.to(tl.int8), mask=offs < K)
+        total += q
+    tl.store(scale_ptr + row, scale)
+    tl.store(sum_ptr + row, tl.sum(total, axis=0))
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K], fp32 token scales [M], int32 sums of the int8 rows [M])."""
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    total = torch.empty(m, dtype=torch.int32, device=x.device)
+    _quantize_rows_kernel[(m,)](x, xq, scale, total, k, BLOCK=min(4096, triton.next_power_of_2(k)), num_warps=8)
+    return xq, scale, total
+
+
+@triton.jit
+def _int8_tile(words, s, z, TWO_LEVEL: tl.constexpr):
+    """Packed words [R, BN] -> int8 [8R, BN]: raw codes, or QQQ's rne((q - z) * group_scale)."""
+    shifts = tl.arange(0, 8) * 4
+    codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+    if TWO_LEVEL:
+        q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC_F32 + z[:, None, :])
+        w = ((q * s[:, None, :] + ROUND_F32) - ROUND_F32).to(tl.int8)  # an exact integer by now
+    else:
+        w = codes.to(tl.int8)
+    return tl.reshape(w, (words.shape[0] * 8, words.shape[1]))
+
+
+@triton.jit
+def _w4a8_gemm_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
+                      M, N, K, GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % grid_m, pid // grid_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    ROWS: tl.constexpr = BLOCK_K // 8
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+        k0 = t * BLOCK_K
+        x = tl.load(xq_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :],
+                    mask=m_mask[:, None], other=0)
+        words = tl.load(qw_ptr + (k0 // 8 + tl.arange(0, ROWS))[:, None] * N + offs_n[None, :],
+                        mask=n_mask[None, :], other=0)
+        if TWO_LEVEL:
+            s, z = _group_rows(gs_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
+        else:
+            s, z = 1.0, 0.0
+        acc = tl.dot(x, _int8_tile(words, s, z, TWO_LEVEL), acc, out_dtype=tl.int32)
+    if not TWO_LEVEL:  # zero point: sum_k x (q - z) = acc - z * sum_k x, once (split 0) per output
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + offs_n, mask=n_mask, other=0).to(tl.int32)
+        else:
+            z = tl.full((BLOCK_N,), 8, tl.int32)
+        xsum = tl.load(xsum_ptr + offs_m, mask=m_mask, other=0) * (pid_k == 0).to(tl.int32)
+        acc -= xsum[:, None] * z[None, :]
+    ts = tl.load(ts_ptr + offs_m, mask=m_mask, other=0.0)
+    cs = tl.load(cs_ptr + offs_n, mask=n_mask, other=0.0)
+    out = acc.to(tl.float32) * ts[:, None] * cs[None, :]
+    _store_output(out, out_ptr, part_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _int8_weight_kernel(qw_ptr, gs_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr,
+                        HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Writes the int8 weight transposed, [N, K] (K-major, what cuBLAS' int8 GEMM wants)."""
+    pid_k, pid_n = tl.program_id(0), tl.program_id(1)
+    k0 = pid_k * BLOCK_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    ROWS: tl.constexpr = BLOCK_K // 8
+    words = tl.load(qw_ptr + (k0 // 8 + tl.arange(0, ROWS))[:, None] * N + offs_n[None, :],
+                    mask=n_mask[None, :], other=0)
+    s, z = _group_rows(gs_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
+    if TWO_LEVEL:
+        w = _int8_tile(words, s, z, True)
+    else:  # per-channel: fold the zero point in (q - z fits int8)
+        w = (_int8_tile(words, s, z, False).to(tl.int32) - z.to(tl.int32)).to(tl.int8)
+    tl.store(w_ptr + offs_n[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :], tl.trans(w),
+             mask=n_mask[:, None])
+
+
+@triton.jit
+def _scale_epilogue_kernel(acc_ptr, ts_ptr, cs_ptr, bias_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    out = tl.load(acc_ptr + offs, mask=mask, other=0).to(tl.float32)
+    out *= tl.load(ts_ptr + offs // N, mask=mask, other=0.0) * tl.load(cs_ptr + offs % N, mask=mask, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def int8_weight(qweight: torch.Tensor, group_scales: torch.Tensor | None, zeros: torch.Tensor | None,
+                group_size: int) -> torch.Tensor:
+    """[N, K] int8 weight (zero point and group scale applied), for the int_mm path and for checks."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    w = torch.empty(n, k, dtype=torch.int8, device=qweight.device)
+    block_k = 64 if k % 64 == 0 else 32
+    dummy = qweight
+    _int8_weight_kernel[(k // block_k, triton.cdiv(n, 64))](
+        qweight, group_scales if group_scales is not None else dummy, zeros if zeros is not None else dummy,
+        w, n, k, GROUP=group_size, TWO_LEVEL=group_scales is not None, HAS_ZEROS=zeros is not None,
+        BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
+    return w
+
+
+def w4a8_matmul(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
+                group_scales: torch.Tensor | None, zeros: torch.Tensor | None, bias: torch.Tensor | None,
+                group_size: int, config: dict) -> torch.Tensor:
+    """x [M, K] fp16/bf16 contiguous -> [M, N] in x's dtype.
+
+    channel_scales fp32 [N]; group_scales [G, N] (two-level) or None (per-channel, G == 1); zeros uint8
+    [G, N] or None (symmetric, zero 8).
+    """
+    m, k = x.shape
+    n = qweight.shape[1]
+    xq, ts, xsum = quantize_rows(x)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if config["kernel"] == "int_mm":
+        acc = torch._int_mm(xq, int8_weight(qweight, group_scales, zeros, group_size).t())
+        block = 1024
+        _scale_epilogue_kernel[(triton.cdiv(m * n, block),)](
+            acc, ts, channel_scales, bias if bias is not None else ts, out, m, n, HAS_BIAS=bias is not None,
+            BLOCK=block, num_warps=4)
+        return out
+    split = config["SPLIT_K"]
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split)
+    _w4a8_gemm_kernel[grid](
+        xq, ts, xsum, qweight, channel_scales, group_scales if group_scales is not None else channel_scales,
+        zeros if zeros is not None else qweight, bias if bias is not None else channel_scales, out, part, m, n, k,
+        GROUP=group_size, TWO_LEVEL=group_scales is not None, HAS_ZEROS=zeros is not None,
+        HAS_BIAS=bias is not None, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
+        BLOCK_K=config["BLOCK_K"], SPLIT_K=split, num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return splitk_reduce(part, bias, out) if split > 1 else out

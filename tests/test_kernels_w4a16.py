@@ -1,0 +1,105 @@
+"""W4A16 Triton kernels against a float64 reference, run by Triton's CPU interpreter (small shapes)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are decorated at import
+
+import pytest
+import torch
+from quantkit.kernels.autotune import candidates, m_bucket
+from quantkit.kernels.w4a16 import dequantize, w4a16_matmul
+
+from quantkit.nn.qlinear import QuantLinear, pack_along_rows
+
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+def random_layer(k: int, n: int, group: int, dtype: torch.dtype, sym: bool, bias: bool = True,
+                 act_bits: int = 16, two_level: bool = False, seed: int = 0) -> QuantLinear:
+    """A QuantLinear with random codes, scales, zero points and bias (never zeros)."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = QuantLinear(k, n, 4, group, bias, act_bits, two_level, dtype)
+    groups = layer.scales.shape[0]
+    layer.qweight.copy_(pack_along_rows(torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8), 4))
+    if two_level:  # QQQ-like: group scales in (1, 8.5), (q - 8) * scale stays inside int8
+        layer.scales.copy_((1 + 7.5 * torch.rand(groups, n, generator=gen)).to(dtype))
+        layer.channel_scales.copy_(0.001 + 0.01 * torch.rand(n, generator=gen))
+    else:
+        layer.scales.copy_((0.005 + 0.02 * torch.rand(groups, n, generator=gen)).to(dtype))
+    zeros = torch.full((groups, n), 8) if sym else torch.randint(0, 16, (groups, n), generator=gen)
+    layer.zeros.copy_(zeros.to(torch.uint8))
+    if bias:
+        layer.bias.copy_(torch.randn(n, generator=gen).to(dtype))
+    return layer
+
+
+def reference_w4a16(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """float64 x @ ((q - z) * s)^T + b, from the unpacked codes."""
+    w = layer.dequantized_weight().double()  # exact: (q - z) * s in the scale dtype, then widened
+    out = x.double() @ w.t()
+    return out if layer.bias is None else out + layer.bias.double()
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Every torch.empty the kernels allocate starts as NaN (floats) or -77 (ints): unwritten elements show."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -77)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def check(layer: QuantLinear, m: int, config: dict, seed: int = 1) -> None:
+    x = torch.randn(m, layer.in_features, generator=torch.Generator().manual_seed(seed)).to(layer.scales.dtype)
+    zeros = None if bool((layer.zeros == 8).all()) else layer.zeros
+    out = w4a16_matmul(x, layer.qweight, layer.scales, zeros, layer.bias, layer.group_size, config)
+    assert out.shape == (m, layer.out_features) and out.dtype == x.dtype
+    assert not out.isnan().any(), f"unwritten outputs with {config}"
+    assert relative_error(out, reference_w4a16(layer, x)) < TOLERANCE[x.dtype], config
+
+
+GEMV = dict(kernel="gemv", BLOCK_M=1, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2)
+GEMM = dict(kernel="gemm", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [32, 64, 128, -1])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_every_path_matches_float64(dtype, group, sym):
+    layer = random_layer(256, 40, group, dtype, sym, seed=group + 7 * sym)  # N=40: a partial N tile
+    for m, config in [(1, GEMV), (3, {**GEMV, "SPLIT_K": 2, "BLOCK_K": 128}), (2, GEMM),
+                      (5, {**GEMM, "BLOCK_K": 64, "SPLIT_K": 3}), (19, {**GEMM, "BLOCK_N": 64}),
+                      (4, dict(kernel="dequant_mm"))]:
+        check(layer, m, config)
+
+
+@pytest.mark.parametrize(("k", "n", "m"), [(96, 24, 7), (512, 64, 8), (160, 8, 1)])
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_default_configs_for_odd_shapes(k, n, m):
+    layer = random_layer(k, n, 32, torch.float16, sym=False, bias=False, seed=k)
+    for config in candidates("w4a16", m, n, k, 32)[:3]:
+        check(layer, m, config)
+
+
+def test_dequantize_is_the_reference_weight():
+    layer = random_layer(128, 48, 64, torch.float16, sym=False)
+    w = dequantize(layer.qweight, layer.scales, layer.zeros, 64)
+    torch.testing.assert_close(w, layer.dequantized_weight().t(), rtol=0, atol=0)
+
+
+def test_candidates_fit_shape_and_group():
+    assert [m_bucket(m) for m in (1, 3, 16, 17, 5000)] == [1, 4, 16, 32, 4096]
+    assert candidates("w4a16", 1, 4096, 4096, 128)[0]["kernel"] == "gemv"
+    assert candidates("w4a16", 4096, 4096, 4096, 128)[0]["kernel"] == "dequant_mm"
+    for cfg in candidates("w4a16", 64, 64, 96, 32):
+        assert 96 % cfg["BLOCK_K"] == 0

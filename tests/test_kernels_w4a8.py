@@ -1,0 +1,79 @@
+"""W4A8 Triton kernels (per-token int8 activations, int32 accumulation) against a float64 reference that
+follows the int8 semantics exactly; run by Triton's CPU interpreter on small shapes."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are decorated at import
+
+import pytest
+import torch
+from quantkit.kernels.w4a8 import int8_weight, quantize_rows, w4a8_matmul
+from test_kernels_w4a16 import poisoned_outputs, random_layer, relative_error  # noqa: F401
+
+from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
+
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def int8_codes(layer: QuantLinear) -> torch.Tensor:
+    """[K, N] int weights: q - z (per-channel) or QQQ's round_half_even((q - z) * group_scale)."""
+    q = unpack_along_rows(layer.qweight, 4).double()
+    g = torch.arange(layer.in_features) // layer.group_size
+    w = q - layer.zeros[g].double()
+    return torch.round(w * layer.scales[g].double()) if layer.channel_scales is not None else w
+
+
+def reference_w4a8(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8) / 127.0
+    xq = torch.round(x.float() / scale).clamp(-127, 127).double()
+    channel = layer.channel_scales if layer.channel_scales is not None else layer.scales[0].float()
+    out = (xq @ int8_codes(layer)) * scale.double() * channel.double()
+    return out if layer.bias is None else out + layer.bias.double()
+
+
+def run(layer: QuantLinear, x: torch.Tensor, config: dict) -> torch.Tensor:
+    two_level = layer.channel_scales is not None
+    zeros = None if bool((layer.zeros == 8).all()) else layer.zeros if two_level else layer.zeros[0]
+    channel = layer.channel_scales if two_level else layer.scales[0].float()
+    return w4a8_matmul(x, layer.qweight, channel, layer.scales if two_level else None, zeros, layer.bias,
+                       layer.group_size, config)
+
+
+GEMM = dict(kernel="gemm", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2)
+# The int_mm path (torch._int_mm) has no CPU kernel: benchmarks/bench_kernels.py --check covers it on CUDA.
+CONFIGS = [(1, GEMM), (4, {**GEMM, "SPLIT_K": 3}), (21, {**GEMM, "BLOCK_M": 32, "BLOCK_K": 128})]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("group", "two_level"), [(-1, False), (32, True), (64, True), (128, True)])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_every_path_matches_int8_reference(dtype, group, two_level, sym):
+    layer = random_layer(256, 40, group, dtype, sym, act_bits=8, two_level=two_level, seed=group + sym)
+    for m, config in CONFIGS:
+        x = (3 * torch.randn(m, 256, generator=torch.Generator().manual_seed(m))).to(dtype)
+        out = run(layer, x, config)
+        assert not out.isnan().any(), f"unwritten outputs with {config}"
+        assert relative_error(out, reference_w4a8(layer, x)) < TOLERANCE[dtype], config
+
+
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_activation_quantization_is_exact():
+    x = torch.randn(5, 96, dtype=torch.float16) * torch.tensor([1e-3, 1, 30, 500, 0.1]).half()[:, None]
+    x[2, :] = 0  # an all-zero token: scale floors at 1e-8 / 127
+    xq, scale, total = quantize_rows(x)
+    ref_scale = x.abs().amax(dim=-1).float().clamp(min=1e-8) / 127.0
+    ref_q = torch.round(x.float() / ref_scale[:, None]).clamp(-127, 127)
+    torch.testing.assert_close(scale, ref_scale, rtol=0, atol=0)
+    torch.testing.assert_close(xq.float(), ref_q, rtol=0, atol=0)
+    torch.testing.assert_close(total, ref_q.sum(1).int(), rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_two_level_int8_weight_rounds_half_to_even_like_qqq():
+    layer = random_layer(64, 16, 32, torch.float16, sym=True, act_bits=8, two_level=True)
+    layer.scales[0, :8] = 2.5  # (q - 8) * 2.5 hits .5 ties for odd q - 8
+    w = int8_weight(layer.qweight, layer.scales, None, 32)
+    torch.testing.assert_close(w.t().double(), int8_codes(layer), rtol=0, atol=0)

@@ -1,0 +1,70 @@
+"""QuantLinear through quantkit.kernels.make_kernel_forward (Triton CPU interpreter), fallbacks, tuning cache."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are decorated at import
+
+import logging
+
+import pytest
+import torch
+from quantkit.kernels import make_kernel_forward
+from quantkit.kernels.autotune import TuningCache, candidates, pick_config
+from test_kernels_w4a16 import random_layer, relative_error
+
+from quantkit.nn.qlinear import QuantLinear
+
+
+@pytest.mark.parametrize(("act_bits", "group", "two_level", "dtype"), [
+    (16, 32, False, torch.float16), (16, -1, False, torch.bfloat16), (8, -1, False, torch.float16),
+    (8, 64, True, torch.bfloat16)])
+def test_kernel_forward_matches_reference_forward(act_bits, group, two_level, dtype):
+    layer = random_layer(128, 48, group, dtype, sym=False, act_bits=act_bits, two_level=two_level)
+    if two_level:  # integer group scales: the reference's (q - z) * s is then already an int8 value
+        layer.scales.copy_(torch.randint(1, 9, layer.scales.shape).to(dtype))
+    forward = make_kernel_forward(layer)
+    assert forward is not None
+    x = torch.randn(2, 3, 128, dtype=dtype)
+    out = forward(x)
+    assert out.shape == (2, 3, 48) and out.dtype == dtype
+    assert relative_error(out, layer.reference_forward(x).double()) < 2e-2
+
+
+@pytest.mark.parametrize(("kwargs", "reason"), [
+    (dict(k=128, n=44, group=32), "out_features"), (dict(k=96, n=48, group=48), "group size"),
+    (dict(k=104, n=48, group=-1), "multiple of 32"),
+    (dict(k=128, n=48, group=32, act_bits=8), "one-level group"),
+])
+def test_unsupported_layers_fall_back_with_a_reason(kwargs, reason, caplog):
+    k, n, group = kwargs["k"], kwargs["n"], kwargs["group"]
+    layer = QuantLinear(k, n, 4, group, False, kwargs.get("act_bits", 16), False, torch.float16)
+    with caplog.at_level(logging.INFO, logger="quantkit.kernels"):
+        assert make_kernel_forward(layer) is None
+    assert reason in caplog.text
+    layer.prepare_kernels()  # CPU weights: no kernel, and forward is the reference path
+    x = torch.randn(3, k, dtype=torch.float16)
+    torch.testing.assert_close(layer(x), layer.reference_forward(x))
+
+
+def test_two_level_overflow_falls_back(caplog):
+    layer = random_layer(64, 16, 32, torch.float16, sym=True, act_bits=8, two_level=True)
+    layer.scales[0, 0] = 20.0  # (0 - 8) * 20 = -160 is no int8
+    with caplog.at_level(logging.INFO, logger="quantkit.kernels"):
+        assert make_kernel_forward(layer) is None
+    assert "outside int8" in caplog.text
+
+
+def test_tuning_cache_round_trip_and_defaults(tmp_path, monkeypatch):
+    cache = TuningCache(tmp_path / "sub" / "tuning.json")
+    cache.put("a|b", {"kernel": "gemv", "BLOCK_N": 64})
+    assert TuningCache(cache.path).get("a|b") == {"kernel": "gemv", "BLOCK_N": 64}
+    monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("QUANTKIT_AUTOTUNE", "0")
+    x = torch.randn(3, 256)
+
+    def never(cfg):
+        raise AssertionError("tuning ran")
+
+    assert pick_config("w4a16", x, 512, 256, 128, "z0", never) == candidates("w4a16", 3, 512, 256, 128)[0]

