@@ -39,11 +39,22 @@ def _fail(err: Exception) -> None:
 
 
 def resolve_group_size(model, adapter, requested: str) -> int:
-    """'auto': the largest of 128/64/32 dividing every quantized input size (576 -> 64 for SmolLM2)."""
-    if requested != "auto":
-        return int(requested)
+    """'auto': the largest of 128/64/32 dividing every quantized input size (576 -> 64 for SmolLM2).
+
+    An explicit size is checked against every input size now, before any calibration work."""
+    from quantkit.qtensor import check_group_size
+
     layer = adapter.get_layers(model)[0]
     sizes = {layer.get_submodule(n).in_features for n in adapter.linear_names() if _has_module(layer, n)}
+    if requested != "auto":
+        try:
+            group = int(requested)
+        except ValueError as err:
+            raise QuantizationError(f"group size must be an integer or auto, got {requested!r}") from err
+        if group in (32, 64, 128):
+            for size in sorted(sizes):
+                check_group_size(size, group)
+        return group
     for group in (128, 64, 32):
         if all(s % group == 0 for s in sizes):
             return group

@@ -1,0 +1,127 @@
+"""The command line: the contract's option names, clear errors, nothing half-written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+from typer.testing import CliRunner
+
+from quantkit.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_gguf):
+    from quantkit.models.loading import load_tokenizer
+
+    return load_tokenizer(str(smollm2_gguf))
+
+
+def _save(model, tokenizer, folder: Path, safe: bool = True) -> Path:
+    if safe:
+        model.save_pretrained(folder)
+    else:  # transformers 5 writes only safetensors: write the pickle file by hand
+        folder.mkdir(parents=True)
+        model.config.save_pretrained(folder)
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, tokenizer) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512)
+    return _save(AutoModelForCausalLM.from_config(config), tokenizer, tmp_path_factory.mktemp("tiny") / "llama")
+
+
+class _Result:
+    """The CLI's exit code and its output with rich's line wrapping undone."""
+
+    def __init__(self, args: list[str]) -> None:
+        result = runner.invoke(app, args)
+        self.exit_code, self.output = result.exit_code, " ".join(result.output.split())
+
+
+def _quantize(*args: str) -> _Result:
+    return _Result(["quantize", *args, "--nsamples", "4", "--seqlen", "64", "--no-eval"])
+
+
+def test_quantize_writes_a_gptq_checkpoint(tiny_llama, tmp_path) -> None:
+    out = tmp_path / "q"
+    result = _quantize(str(tiny_llama), "--method", "gptq", "--group-size", "32", "--format", "gptq",
+                       "--act-order", "--output", str(out))
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "gptq"
+    assert config["quantization_config"]["group_size"] == 32
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
+    meta = json.loads((out / "quantkit.json").read_text())
+    assert meta["quant_config"]["act_order"] is True and len(meta["report"]["layers"]) == 2
+
+
+def test_asym_to_gptq_is_refused_before_any_work(tiny_llama, tmp_path) -> None:
+    result = _quantize(str(tiny_llama), "--asym", "--format", "gptq", "--output", str(tmp_path / "q"))
+    assert result.exit_code == 2 and "asymmetric" in result.output
+    assert not (tmp_path / "q").exists()
+
+
+def test_missing_model_path(tmp_path) -> None:
+    result = _quantize(str(tmp_path / "nope"), "--output", str(tmp_path / "q"))
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_group_size_that_does_not_divide(tiny_llama, tmp_path) -> None:
+    result = _quantize(str(tiny_llama), "--group-size", "128", "--output", str(tmp_path / "q"))
+    assert result.exit_code == 2 and "does not divide the input size 64" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_group_size_value(tiny_llama, tmp_path) -> None:
+    result = _quantize(str(tiny_llama), "--group-size", "48", "--output", str(tmp_path / "q"))
+    assert result.exit_code == 2 and "group size must be one of" in result.output
+
+
+@pytest.mark.parametrize("content,message", [("", "empty"), ("one short line\n", "too short")])
+def test_bad_calibration_text(tiny_llama, tmp_path, content: str, message: str) -> None:
+    calib = tmp_path / "calib.txt"
+    calib.write_text(content)
+    result = _quantize(str(tiny_llama), "--calib", str(calib), "--output", str(tmp_path / "q"))
+    assert result.exit_code == 2 and message in result.output
+    assert not (tmp_path / "q").exists()
+
+
+def test_missing_calibration_file(tiny_llama, tmp_path) -> None:
+    result = _quantize(str(tiny_llama), "--calib", str(tmp_path / "none.txt"), "--output", str(tmp_path / "q"))
+    assert result.exit_code == 2 and "neither a file nor one of" in result.output
+
+
+def test_unsupported_architecture(tmp_path, tokenizer) -> None:
+    config = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=len(tokenizer))
+    folder = _save(AutoModelForCausalLM.from_config(config), tokenizer, tmp_path / "gpt2")
+    result = _quantize(str(folder), "--output", str(tmp_path / "q"))
+    assert result.exit_code == 2 and "unsupported architecture 'gpt2'" in result.output
+    assert "llama" in result.output
+
+
+def test_pickle_weights_are_refused_unless_allowed(tmp_path, tokenizer) -> None:
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer))
+    folder = _save(AutoModelForCausalLM.from_config(config), tokenizer, tmp_path / "pickled", safe=False)
+    assert not list(folder.glob("*.safetensors"))
+    result = _quantize(str(folder), "--output", str(tmp_path / "q"))
+    assert result.exit_code == 2 and "pickle" in result.output
+    result = _quantize(str(folder), "--allow-pickle", "--method", "rtn", "--output", str(tmp_path / "q"))
+    assert result.exit_code == 0, result.output
+
+
+def test_existing_output_is_not_overwritten(tiny_llama, tmp_path) -> None:
+    (tmp_path / "q").mkdir()
+    result = _quantize(str(tiny_llama), "--output", str(tmp_path / "q"))
+    assert result.exit_code == 2 and "already exists" in result.output
