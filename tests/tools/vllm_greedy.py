@@ -7,6 +7,10 @@ Runs with the python of the vLLM virtualenv (scripts/setup_vllm_venv.sh), not th
 
 prompts.json holds a list whose items are either strings (tokenized by vLLM with the checkpoint's
 tokenizer) or lists of token ids (used as they are, which makes comparisons with transformers exact).
+A checkpoint folder without tokenizer files takes token-id prompts only, and its "text" outputs are empty.
+
+With --dump-weights FILE, it also writes the weight of each 4-bit layer as vLLM holds it after loading
+(decoded back to fp32 [out, in]), so that a test can compare an export with its source weights exactly.
 
 The output JSON has "quantization" (the method vLLM resolved, null when unquantized), "linear_methods"
 (a count of linear layers per "QuantMethod/Kernel" name, read off the loaded model, so that a test can
@@ -33,6 +37,7 @@ import sys
 import time
 import traceback
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +51,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 KV_CACHE_BYTES = 256 * 2**20  # plenty for a few short prompts of a small model
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 NIBBLE_SHIFTS = torch.arange(8, dtype=torch.int32) * 4
 GPTQ_ZERO = 8  # uint4b8: codes are stored with a +8 bias when the layer has no zero points
 _dequantized_cache: dict[tuple[int, int], torch.Tensor] = {}
@@ -125,6 +131,11 @@ def parse_args() -> argparse.Namespace:
         help="activation dtype: auto (from the config), bfloat16, float16 or float32",
     )
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument(
+        "--dump-weights",
+        type=Path,
+        help="also write, as safetensors, the fp32 weight each 4-bit layer holds once vLLM has loaded it",
+    )
     return parser.parse_args()
 
 
@@ -138,21 +149,38 @@ def load_prompts(path: Path) -> list[str | list[int]]:
     return prompts
 
 
-def count_linear_methods(model: Any) -> dict[str, int]:
-    """Counts "QuantMethod/Kernel" over the layers that carry a vLLM quant method (runs in the worker)."""
-    names: Counter[str] = Counter()
-    for module in model.modules():
+def quantized_layers(model: Any) -> Iterator[tuple[str, Any, str, Any]]:
+    """Yields (module name, module, "QuantMethod[Scheme]" label, kernel or None) for each layer that
+    carries a vLLM quant method."""
+    for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if method is None or not hasattr(method, "apply"):
             continue
         # compressed-tensors keeps its kernel in a per-layer scheme, GPTQ/AWQ in the method itself.
-        holder = getattr(module, "scheme", None) or method
-        kernel = getattr(holder, "kernel", None)
-        label = type(method).__name__
-        if getattr(module, "scheme", None) is not None:
-            label += f"[{type(module.scheme).__name__}]"
+        scheme = getattr(module, "scheme", None)
+        label = type(method).__name__ + (f"[{type(scheme).__name__}]" if scheme is not None else "")
+        yield name, module, label, getattr(scheme or method, "kernel", None)
+
+
+def count_linear_methods(model: Any) -> dict[str, int]:
+    """Counts "QuantMethod[Scheme]/Kernel" over the model's layers (runs in the worker)."""
+    names: Counter[str] = Counter()
+    for _, _, label, kernel in quantized_layers(model):
         names[label + (f"/{type(kernel).__name__}" if kernel is not None else "")] += 1
     return dict(names)
+
+
+def dequantized_weights(model: Any) -> dict[str, torch.Tensor]:
+    """The weight [out, in] in fp32 that each 4-bit layer holds after vLLM loaded and repacked it, keyed by
+    vLLM's module name (fused: qkv_proj = q, k, v stacked along out; gate_up_proj = gate, up)."""
+    from vllm.model_executor.kernels.linear.mixed_precision.cpu import CPUWNA16LinearKernel
+
+    weights = {}
+    for name, module, _, kernel in quantized_layers(model):
+        if type(kernel) is CPUWNA16LinearKernel:  # subclasses (zentorch) repack differently
+            q_weight, scales, zeros = kernel._get_weight_params(module)[:3]
+            weights[name] = dequantize_blocked_wna16(q_weight, scales, zeros).t().contiguous()
+    return weights
 
 
 def to_vllm_prompt(prompt: str | list[int]) -> Any:
@@ -179,6 +207,8 @@ def main() -> int:
             enforce_eager=True,  # torch.compile on CPU costs minutes and changes nothing we test
             kv_cache_memory_bytes=KV_CACHE_BYTES,
             seed=0,
+            # A checkpoint without tokenizer files (a test's tiny model) takes token-id prompts only.
+            skip_tokenizer_init=not any((args.checkpoint / name).exists() for name in TOKENIZER_FILES),
         )
     except Exception as error:  # vLLM raises many types; all mean "this checkpoint doesn't load"
         traceback.print_exc()
@@ -192,6 +222,10 @@ def main() -> int:
     linear_methods = llm.apply_model(count_linear_methods)[0]
     print(f"vllm quantization={model_config.quantization} dtype={model_config.dtype}")
     print(f"vllm linear methods: {linear_methods}")
+    if args.dump_weights is not None:
+        from safetensors.torch import save_file
+
+        save_file(llm.apply_model(dequantized_weights)[0], args.dump_weights)
 
     sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -216,7 +250,7 @@ def main() -> int:
                 "prompt": prompt,
                 "prompt_token_ids": list(output.prompt_token_ids),
                 "token_ids": list(output.outputs[0].token_ids),
-                "text": output.outputs[0].text,
+                "text": output.outputs[0].text or "",
             }
             for prompt, output in zip(prompts, outputs, strict=True)
         ],
