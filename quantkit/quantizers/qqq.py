@@ -1,0 +1,336 @@
+"""QQQ (Zhang et al. 2024, "QQQ: Quality Quattuor-Bit Quantization for Large Language Models",
+arXiv:2406.09904): 4-bit weights and per-token dynamic int8 activations (W4A8), in two steps per layer.
+
+1. Adaptive smoothing (reference: HandH1998/QQQ, QQQ/smooth/migration/migration_llama.py,
+   Migrator1DRangeSearch). On each scaling group of quantkit.smoothing (norm -> q/k/v, v -> o,
+   norm -> gate/up, up -> down) take per input channel j the max cmx_j and min cmn_j of the activations
+   over real tokens. For thresholds t from max|x| down to 0.1 in max(smooth_steps, max|x| / 0.5) steps,
+   channels reaching past +-t get s_j = max(cmx_j / t, cmn_j / -t), the others 1. The loss is the squared
+   error (summed over features, averaged over real tokens) of the group's block output computed from
+   per-token int8 fake-quantized x / s and 4-bit fake-quantized W * s, against the unquantized output.
+   Block outputs: for q/k/v the attention output before o_proj (the model's own attention module runs,
+   rotary embedding and mask included), for gate/up SiLU(gate) * up (the input of down_proj), for o and
+   down the matmul. The best s is folded into the previous op (1/s) and the linears (s). The first
+   candidate, t = max|x|, is s = 1: smoothing never raises the loss on the calibration set.
+2. GPTQ with symmetric weights and act-order with static groups (QQQ/gptq/gptq.py, quant.py) on QQQ's
+   grids, through quantkit.quantizers.gptq with a WeightGrid:
+     per-channel  signed codes [-7, 7] (unsigned 1..15, zero 8), scale = absmax / 7 (QQQ's maxq = 7);
+     per-group    the two-level scheme: unsigned codes 0..15, zero 8, an fp32 per-output-channel scale
+                  s_ch and group scales s_g = k * s_ch with integers k in [1, 16]. QuantizedWeight.scales
+                  holds s_g, channel_scales s_ch; the int8 weight (q - 8) * k lies in [-128, 112].
+
+Deviations from the reference, on purpose:
+  * Two-level scales. QQQ takes GPTQ's group scales s_g = 2 absmax / 15, then after GPTQ
+    s_ch = max|W_hat_row| / 127 and fp16 group scales s_g / s_ch; its kernel (csrc/qqq_gemm.cu,
+    dequant_per_group) rounds (q - 8) * s_g / s_ch to int8, so the served weights differ from the ones
+    GPTQ compensated for by up to s_ch / 2. Here s_ch comes first (the row's largest GPTQ group scale
+    / 16, rounded up to 4 significant bits) and each group scale is the smallest integer multiple of it
+    covering the group, so the int8 weights are exact: GPTQ sees what the W4A8 kernel computes, and
+    s_g = k * s_ch has at most 8 significant bits, exact in the fp16/bf16 scales that exports store.
+  * The smoothing search runs on the unquantized layer (QQQ runs it inside a fake-quantized forward, so
+    its o_proj inputs went through quantized q/k/v), and on the per-channel / two-level grids GPTQ then
+    uses (QQQ's loss quantizes weights on a [-7, 7] grid per channel or group).
+  * The grids are min-max: config.mse is not used (QQQ's per-group recipe searches an MSE grid).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from quantkit.config import QuantConfig
+from quantkit.models.adapters import ArchAdapter, ScalingGroup
+from quantkit.nn.qlinear import quantize_activations_per_token
+from quantkit.qtensor import QuantizationError, QuantizedWeight, check_group_size, quantize_codes
+from quantkit.quantizers.base import LinearQuantizer, Method, register
+from quantkit.quantizers.gptq import GPTQQuantizer
+from quantkit.smoothing import active_scaling_groups, fold_scales
+
+if TYPE_CHECKING:
+    from quantkit.engine import LayerContext
+
+log = logging.getLogger("quantkit")
+
+BITS = 4
+ZERO = 8  # symmetric 4-bit: unsigned code 8 is 0
+MAX_GROUP_MULTIPLE = 16  # (0 - 8) * 16 = -128 is the lowest int8
+CHANNEL_SCALE_BITS = 4  # k (<= 16) * s_ch then has <= 8 significant bits: exact in bf16 and fp16
+MIN_CHANNEL_SCALE = 2.0**-21  # 8 * 2**-24: k * s_ch stays a multiple of 2**-24, exact as an fp16 subnormal
+THRESHOLD_FLOOR = 0.1  # the reference's smallest threshold...
+THRESHOLD_SPACING = 0.5  # ...and its max(steps, max|x| / 0.5) candidates
+REQUIRED_OPTIONS = {"act_order": True, "sym": True, "act_bits": 8}
+
+
+class PerChannelGrid:
+    """QQQ's per-channel grid: signed codes in [-7, 7] (unsigned 1..15), scale = absmax / 7."""
+
+    lowest, highest = ZERO - 7, ZERO + 7
+
+    def qparams(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        absmax = w.abs().amax(dim=-1)
+        scale = torch.where(absmax == 0, 1.0, absmax / 7).clamp(2**-24, 65504)
+        scale = scale.to(torch.float16).to(w.dtype)  # exports store fp16 scales: GPTQ must see those
+        return scale, torch.full_like(scale, ZERO)
+
+
+def _round_up_to_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The smallest value >= x with `bits` significant bits."""
+    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ceil(mantissa * 2**bits), exponent - bits)
+
+
+class TwoLevelGrid:
+    """QQQ's per-group grid with group scales that are integer multiples of a per-channel scale."""
+
+    lowest, highest = 0, 2**BITS - 1
+
+    def __init__(self) -> None:
+        self.channel_scales: torch.Tensor | None = None  # [rows], set by qparams
+
+    def qparams(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ideal = 2 * w.abs().amax(dim=-1) / self.highest  # GPTQ's symmetric min-max group scale
+        channel = _round_up_to_bits(ideal.amax(dim=-1) / MAX_GROUP_MULTIPLE, CHANNEL_SCALE_BITS)
+        channel = channel.clamp(min=MIN_CHANNEL_SCALE)
+        multiple = torch.ceil(ideal / channel[:, None]).clamp(1, MAX_GROUP_MULTIPLE)
+        self.channel_scales = channel
+        return multiple * channel[:, None], torch.full_like(multiple, ZERO)
+
+
+def make_grid(group_size: int) -> PerChannelGrid | TwoLevelGrid:
+    return PerChannelGrid() if group_size == -1 else TwoLevelGrid()
+
+
+def fake_quantize_weight(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Round-to-nearest on QQQ's grid (what the smoothing loss quantizes weights with), in weight's dtype."""
+    rows, cols = weight.shape
+    group = check_group_size(cols, group_size)
+    w = weight.to(torch.promote_types(weight.dtype, torch.float32)).reshape(rows, cols // group, group)
+    grid = make_grid(group_size)
+    scale, zero = (p.unsqueeze(-1) for p in grid.qparams(w))
+    codes = quantize_codes(w, scale, zero, BITS).clamp_(grid.lowest, grid.highest)
+    return ((codes - zero) * scale).reshape(rows, cols).to(weight.dtype)
+
+
+class QQQQuantizer(GPTQQuantizer):
+    """GPTQ on QQQ's grid; per-group results carry the per-channel scales of the two-level scheme."""
+
+    def __init__(self, linear: nn.Linear, config: QuantConfig) -> None:
+        super().__init__(linear, config)
+        self.grid = make_grid(config.group_size)
+
+    def quantize(self) -> QuantizedWeight:
+        result = super().quantize()
+        if isinstance(self.grid, TwoLevelGrid):
+            result.channel_scales = self.grid.channel_scales.to(torch.float32)
+        return result
+
+
+# (batch index, the linears' input, the linears' weights) -> block output on that batch's real tokens
+BlockFn = Callable[[int, torch.Tensor, list[torch.Tensor]], torch.Tensor]
+
+
+def _real_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if mask is None else rows[mask.reshape(-1)]
+
+
+def matmul_block(_batch: int, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """The block output of groups that feed linears straight (v -> o, up -> down): x W^T."""
+    return torch.cat([x @ w.t() for w in weights], dim=-1)
+
+
+class SmoothingProbe:
+    """One scaling group on the calibration batches: its channel ranges, and the loss of a scale vector."""
+
+    def __init__(self, inputs: list[torch.Tensor], masks: list[torch.Tensor | None],
+                 weights: list[torch.Tensor], block: BlockFn, group_size: int) -> None:
+        self.inputs, self.masks, self.weights = inputs, masks, weights
+        self.block, self.group_size = block, group_size
+        real = [_real_rows(x, m) for x, m in zip(inputs, masks, strict=True)]
+        self.channel_max = torch.stack([r.amax(dim=0) for r in real]).amax(dim=0).float()
+        self.channel_min = torch.stack([r.amin(dim=0) for r in real]).amin(dim=0).float()
+        self.tokens = sum(r.shape[0] for r in real)
+        self.targets = [block(i, x, weights) for i, x in enumerate(inputs)]
+
+    @classmethod
+    def for_matmul(
+        cls, inputs: list[torch.Tensor], weights: list[torch.Tensor], group_size: int
+    ) -> SmoothingProbe:
+        """Inputs are real-token rows [tokens, in_features]."""
+        return cls(inputs, [None] * len(inputs), weights, matmul_block, group_size)
+
+    def loss(self, scales: torch.Tensor) -> float:
+        weights = [fake_quantize_weight(w * scales.to(w), self.group_size) for w in self.weights]
+        total = torch.zeros((), dtype=torch.float64, device=scales.device)
+        for i, (x, target) in enumerate(zip(self.inputs, self.targets, strict=True)):
+            out = self.block(i, quantize_activations_per_token(x / scales.to(x)), weights)
+            total += (out.double() - target.double()).square().sum()
+        return total.item() / self.tokens
+
+
+def threshold_scales(channel_max: torch.Tensor, channel_min: torch.Tensor, threshold: float) -> torch.Tensor:
+    """s_j = max(cmx_j / t, cmn_j / -t) for the channels reaching past +-t, 1 for the others."""
+    one = torch.ones_like(channel_max)
+    above = torch.where(channel_max > threshold, channel_max / threshold, one)
+    below = torch.where(channel_min < -threshold, channel_min / -threshold, one)
+    return torch.maximum(above, below)
+
+
+def candidate_thresholds(bound: float, steps: int) -> list[float]:
+    """From the largest |activation| down to 0.1 (the reference's range); just `bound` (no smoothing) when
+    nothing exceeds 0.1."""
+    if bound <= THRESHOLD_FLOOR:
+        return [bound]
+    count = max(steps, int(bound / THRESHOLD_SPACING))
+    return torch.linspace(bound, THRESHOLD_FLOOR, count + 1, dtype=torch.float64).tolist()
+
+
+@dataclass
+class SmoothingChoice:
+    threshold: float
+    scales: torch.Tensor
+    loss: float
+    loss_unsmoothed: float  # the loss at the first candidate, s = 1
+
+    def summary(self) -> dict:
+        return {"threshold": self.threshold, "scaled_channels": int((self.scales != 1).sum()),
+                "max_scale": float(self.scales.max()), "loss": self.loss,
+                "loss_unsmoothed": self.loss_unsmoothed}
+
+
+def search_smoothing(probe: SmoothingProbe, steps: int) -> SmoothingChoice:
+    """The threshold whose scales minimise probe.loss; the first (largest) of equal losses wins."""
+    bound = max(probe.channel_max.max().item(), -probe.channel_min.min().item(), 0.0)
+    best: SmoothingChoice | None = None
+    for threshold in candidate_thresholds(bound, steps):
+        scales = threshold_scales(probe.channel_max, probe.channel_min, threshold)
+        loss = probe.loss(scales)
+        if best is None or loss < best.loss:
+            best = SmoothingChoice(threshold, scales, loss, loss if best is None else best.loss_unsmoothed)
+    assert best is not None  # candidate_thresholds is never empty
+    return best
+
+
+class _Stop(Exception):
+    """Raised by a hook once the measured tensor is in hand: the rest of the module need not run."""
+
+
+@contextmanager
+def _weights_replaced(linears: list[nn.Linear], weights: list[torch.Tensor]) -> Iterator[None]:
+    originals = [linear.weight.data for linear in linears]
+    for linear, weight in zip(linears, weights, strict=True):
+        linear.weight.data = weight
+    try:
+        yield
+    finally:
+        for linear, weight in zip(linears, originals, strict=True):
+            linear.weight.data = weight
+
+
+class ModuleBlock:
+    """Runs `module` (attention, MLP) on its recorded calls with the group's linears given other weights
+    and inputs; the block output is the input of `measured` (o_proj, down_proj) on real tokens."""
+
+    def __init__(self, module: nn.Module, measured: nn.Module, linears: list[nn.Linear],
+                 calls: list[tuple[tuple, dict]], masks: list[torch.Tensor | None]) -> None:
+        self.module, self.measured, self.linears = module, measured, linears
+        self.calls, self.masks = calls, masks
+
+    def input_of(self, batch: int) -> torch.Tensor:
+        args, kwargs = self.calls[batch]
+        return args[0] if args else kwargs["hidden_states"]
+
+    def __call__(self, batch: int, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        args, kwargs = self.calls[batch]
+        args, kwargs = ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+        measured: list[torch.Tensor] = []
+
+        def grab(_module: nn.Module, inputs: tuple) -> None:
+            measured.append(inputs[0])
+            raise _Stop
+
+        handle = self.measured.register_forward_pre_hook(grab)
+        try:
+            with _weights_replaced(self.linears, weights):
+                self.module(*args, **kwargs)
+        except _Stop:
+            pass
+        finally:
+            handle.remove()
+        return _real_rows(measured[0], self.masks[batch])
+
+
+def measured_linear(adapter: ArchAdapter, group: ScalingGroup) -> str:
+    """The linear whose input is the block output of an inspected group: the next sequential step's."""
+    steps = adapter.sequential
+    index = next(i for i, step in enumerate(steps) if group.linears[0] in step)
+    name = steps[index + 1][0] if index + 1 < len(steps) else ""
+    if not name.startswith(f"{group.inspect}."):
+        raise QuantizationError(f"{adapter.name}: no linear inside {group.inspect!r} follows "
+                                f"{group.linears}; QQQ measures the smoothing loss at its input")
+    return name
+
+
+def _module_probe(ctx: LayerContext, group: ScalingGroup, group_size: int) -> SmoothingProbe:
+    """Records the inspected module's calls (inputs, rotary embeddings, masks) up to its first linear."""
+    calls: list[tuple[tuple, dict]] = []
+    masks: list[torch.Tensor | None] = []
+
+    def record(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        calls.append((args, kwargs))
+        masks.append(ctx.current_mask)
+
+    handle = ctx.module(group.inspect).register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        ctx.run_until([group.linears[0]])
+    finally:
+        handle.remove()
+    linears = [ctx.module(name) for name in group.linears]
+    block = ModuleBlock(ctx.module(group.inspect), ctx.module(measured_linear(ctx.adapter, group)), linears,
+                        calls, masks)
+    inputs = [block.input_of(i) for i in range(len(calls))]
+    return SmoothingProbe(inputs, masks, [lin.weight.data for lin in linears], block, group_size)
+
+
+def _matmul_probe(ctx: LayerContext, group: ScalingGroup, group_size: int) -> SmoothingProbe:
+    first = group.linears[0]
+    with ctx.capture_inputs([first]) as captured:
+        ctx.run_until([first])
+    return SmoothingProbe.for_matmul(captured[first], [ctx.module(n).weight.data for n in group.linears],
+                                     group_size)
+
+
+@register
+class QQQ(Method):
+    name = "qqq"
+
+    def __init__(self, config: QuantConfig) -> None:
+        overridden = {k: getattr(config, k) for k, v in REQUIRED_OPTIONS.items() if getattr(config, k) != v}
+        if overridden:
+            log.warning("QQQ is W4A8 with symmetric weights and act-order GPTQ: running with %s "
+                        "instead of %s", REQUIRED_OPTIONS, overridden)
+        for option, value in REQUIRED_OPTIONS.items():
+            setattr(config, option, value)  # in place: the engine and the export read this config
+        if config.mse:
+            log.warning("QQQ's weight grids are min-max: --mse is ignored")
+        super().__init__(config.validate())
+
+    def linear_quantizer(self, linear: nn.Linear) -> LinearQuantizer:
+        return QQQQuantizer(linear, self.config)
+
+    @torch.no_grad()
+    def smooth_layer(self, ctx: LayerContext) -> dict:
+        report = {}
+        for group in active_scaling_groups(ctx.layer, ctx.adapter):
+            make_probe = _module_probe if group.inspect else _matmul_probe
+            probe = make_probe(ctx, group, self.config.group_size)
+            choice = search_smoothing(probe, self.config.smooth_steps)
+            fold_scales(ctx.layer, ctx.adapter, group, choice.scales)
+            report[group.prev] = choice.summary()
+        return report

@@ -1,0 +1,229 @@
+"""QQQ: adaptive smoothing (against a brute-force search, and function-preserving when folded), its weight
+grids (per-channel [-7, 7]; two-level scales exact in int8), and W4A8 end to end against GPTQ and RTN."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_adapters import TINY, tiny_model
+from test_engine import random_calibration
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from quantkit.config import QuantConfig
+from quantkit.engine import LayerContext, capture_layer_inputs, quantize_model
+from quantkit.export import export_checkpoint, quantized_modules
+from quantkit.models import get_adapter
+from quantkit.nn.qlinear import QuantLinear
+from quantkit.qtensor import QuantizationError
+from quantkit.quantizers.base import get_method
+from quantkit.quantizers.gptq import gptq_quantize
+from quantkit.quantizers.qqq import PerChannelGrid, QQQQuantizer, SmoothingProbe, search_smoothing
+from quantkit.reload import load_quantized
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Tiny tensors: on a busy 2-core runner, intra-op threads only add spin-wait time."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def with_outliers(model: nn.Module) -> nn.Module:
+    """A few input channels 20x larger after every norm, as LLM activations have."""
+    with torch.no_grad():
+        for layer in get_adapter(model).get_layers(model):
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[:3] *= 20
+    return model
+
+
+def qqq_config(group_size: int) -> QuantConfig:
+    return QuantConfig(method="qqq", group_size=group_size, act_order=True, act_bits=8)
+
+
+def fake_int8_tokens(x: torch.Tensor) -> torch.Tensor:
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127
+    return torch.round(x / scale).clamp(-127, 127) * scale
+
+
+@pytest.mark.parametrize("kind", ["llama-mha", "qwen2"])
+def test_folded_smoothing_keeps_logits(kind: str) -> None:
+    if kind == "llama-mha":  # no grouped-query attention: v -> o is smoothed too
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY, "num_key_value_heads": 4})).eval()
+    else:
+        model = tiny_model(kind)
+    model = with_outliers(model).double()
+    reference = copy.deepcopy(model)
+    adapter, calib = get_adapter(model), random_calibration(pad_from={1: 10})
+    method = get_method(qqq_config(32))
+    cpu = torch.device("cpu")
+    inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, cpu, batch_size=4)
+    scaled = 0
+    for i, layer in enumerate(adapter.get_layers(model)):
+        ctx = LayerContext(i, layer, adapter, inputs, layer_kwargs[i], masks, cpu)
+        report = method.smooth_layer(ctx)
+        assert len(report) == (4 if kind == "llama-mha" else 3)
+        scaled += sum(entry["scaled_channels"] for entry in report.values())
+        inputs = ctx.forward()
+    assert scaled > 0
+    out, ref = model(calib.input_ids).logits, reference(calib.input_ids).logits
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-9
+
+
+def brute_force_loss(x: torch.Tensor, w: torch.Tensor, threshold: float) -> float:
+    """Per-token int8 x / s times per-channel 4-bit (absmax / 7, fp16 scale) W * s, against x W^T."""
+    cmx, cmn = x.amax(dim=0), x.amin(dim=0)
+    s = torch.ones(x.shape[1], dtype=torch.float64)
+    for j in range(x.shape[1]):
+        if cmx[j] > threshold or cmn[j] < -threshold:
+            s[j] = max(cmx[j] / threshold, cmn[j] / -threshold)
+    ws = w * s
+    scale = (ws.abs().amax(dim=1, keepdim=True) / 7).half().double()
+    wq = torch.round(ws / scale).clamp(-7, 7) * scale
+    return ((fake_int8_tokens(x / s) @ wq.T - x @ w.T) ** 2).sum().item() / x.shape[0]
+
+
+def test_threshold_search_is_the_brute_force_argmin() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(160, 24, generator=gen, dtype=torch.float64)
+    x[:, [2, 7]] *= torch.tensor([30.0, -12.0], dtype=torch.float64)  # one-sided outliers
+    w = torch.randn(16, 24, generator=gen, dtype=torch.float64) * 0.05
+    choice = search_smoothing(SmoothingProbe.for_matmul([x[:100], x[100:]], [w], group_size=-1), steps=100)
+
+    bound = x.abs().max().item()
+    count = max(100, int(bound / 0.5))
+    thresholds = [bound - i * (bound - 0.1) / count for i in range(count + 1)]
+    losses = [brute_force_loss(x, w, t) for t in thresholds]
+    best = min(range(len(losses)), key=losses.__getitem__)
+    assert 0 < best  # smoothing pays off here
+    assert choice.threshold == pytest.approx(thresholds[best], rel=1e-6)  # the probe keeps fp32 ranges
+    assert choice.loss == pytest.approx(losses[best], rel=1e-5)
+    assert choice.loss_unsmoothed == pytest.approx(losses[0], rel=1e-5)
+    assert int((choice.scales != 1).sum()) == sum(
+        1 for j in range(24) if x[:, j].max() > choice.threshold or x[:, j].min() < -choice.threshold)
+
+
+def random_layer(out_features: int, in_features: int, seed: int) -> tuple[nn.Linear, torch.Tensor]:
+    """Groups of very different magnitudes (a dead row too) and correlated inputs with outliers."""
+    gen = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen) * 0.05)
+        linear.weight[:, :32] *= 0.01
+        linear.weight[:, -32:] *= 3
+        linear.weight[5] = 0
+    mixing = torch.eye(in_features) + torch.randn(in_features, in_features, generator=gen) / in_features**0.5
+    x = torch.randn(256, in_features, generator=gen) @ mixing
+    x[:, :2] *= 10
+    return linear, x
+
+
+def test_two_level_scales_reproduce_fake_quantized_weights_in_int8() -> None:
+    linear, x = random_layer(48, 128, seed=5)
+    quantizer = QQQQuantizer(linear, qqq_config(32))
+    quantizer.add_batch(x)
+    qw = quantizer.quantize()
+    assert qw.channel_scales is not None and "fallback" not in qw.info
+    assert bool((qw.zeros == 8).all()) and int(qw.codes.max()) <= 15
+    multiple = qw.scales / qw.channel_scales[:, None]  # the group scales of the kernel
+    assert torch.equal(multiple, multiple.round()) and multiple.min() >= 1 and multiple.max() <= 16
+    int8 = (qw.codes.float() - 8) * multiple.repeat_interleave(32, dim=1)
+    assert int8.min() >= -128 and int8.max() <= 127
+    torch.testing.assert_close(int8 * qw.channel_scales[:, None], qw.dequantize(), rtol=0, atol=0)
+    for dtype in (torch.float16, torch.bfloat16):  # exports store s_g in these: no rounding
+        assert torch.equal(qw.scales.to(dtype).float(), qw.scales)
+    # the largest group of a row uses most of the int8 range (s_ch is not needlessly coarse)
+    assert multiple[qw.channel_scales > 2**-21].amax(dim=1).min() >= 14
+
+    for dtype in (torch.float32, torch.float16):
+        layer = QuantLinear.from_quantized(qw, None, dtype, act_bits=8)
+        torch.testing.assert_close(layer.scales.float(), multiple.t(), rtol=0, atol=0)
+        torch.testing.assert_close(layer.dequantized_weight(), qw.dequantize(dtype), rtol=0, atol=0)
+    inputs = x[:7].double()
+    expected = fake_int8_tokens(inputs) @ (int8.double() * qw.channel_scales.double()[:, None]).T
+    layer = QuantLinear.from_quantized(qw, None, torch.float32, act_bits=8)
+    torch.testing.assert_close(layer(inputs.float()).double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_per_channel_codes_stay_in_minus7_to_7() -> None:
+    linear, _ = random_layer(48, 128, seed=6)
+    gen = torch.Generator().manual_seed(6)  # strongly correlated inputs: large GPTQ updates
+    x = torch.randn(256, 64, generator=gen) @ torch.randn(64, 128, generator=gen)
+    x += 0.1 * torch.randn(256, 128, generator=gen)
+    w = linear.weight.detach()
+    rtn = gptq_quantize(w, torch.eye(128), qqq_config(-1), PerChannelGrid())  # identity Hessian: plain RTN
+    scale = torch.where(w.abs().amax(dim=1) == 0, 1.0, w.abs().amax(dim=1) / 7).half().float()
+    torch.testing.assert_close(rtn.scales[:, 0], scale, rtol=0, atol=0)
+    torch.testing.assert_close(rtn.codes.float() - 8, torch.round(w / scale[:, None]), rtol=0, atol=0)
+
+    quantizer = QQQQuantizer(linear, qqq_config(-1))
+    quantizer.add_batch(x)
+    qw = quantizer.quantize()  # GPTQ's updates push weights past -7.5 steps here (code 0 if not clamped)
+    assert qw.channel_scales is None and bool((qw.zeros == 8).all())
+    assert int(qw.codes.min()) == 1 and int(qw.codes.max()) == 15
+    torch.testing.assert_close(qw.scales, rtn.scales, rtol=0, atol=0)
+
+
+def test_fallback_stays_on_qqq_grid(caplog) -> None:
+    linear, _ = random_layer(16, 64, seed=7)
+    quantizer = QQQQuantizer(linear, qqq_config(32))
+    quantizer.add_batch(torch.zeros(0, 64))
+    with caplog.at_level(logging.WARNING, logger="quantkit"):
+        qw = quantizer.quantize()
+    assert qw.info["fallback"] == "rtn" and qw.channel_scales is not None
+    multiple = qw.scales / qw.channel_scales[:, None]
+    assert torch.equal(multiple, multiple.round())
+
+
+def test_qqq_forces_its_scheme(caplog) -> None:
+    config = QuantConfig(method="qqq", group_size=32, sym=False, act_order=False, act_bits=16)
+    with caplog.at_level(logging.WARNING, logger="quantkit"):
+        get_method(config)
+    assert (config.sym, config.act_order, config.act_bits) == (True, True, 8)
+    assert any("act_bits" in r.message for r in caplog.records)
+    with pytest.raises(QuantizationError, match="4-bit"):
+        get_method(QuantConfig(method="qqq", bits=8))
+
+
+@pytest.mark.parametrize("group_size", [-1, 32])
+def test_w4a8_end_to_end_beats_gptq_and_rtn_and_reloads(tmp_path, group_size: int) -> None:
+    original = with_outliers(tiny_model("llama"))
+    calib = random_calibration()
+    reference = original(calib.input_ids).logits
+    errors, models = {}, {}
+    for method in ("rtn", "gptq", "qqq"):
+        model = copy.deepcopy(original)
+        config = QuantConfig(method=method, group_size=group_size, act_bits=8, act_order=method == "qqq")
+        quantize_model(model, get_adapter(model), calib, config, device="cpu", show_progress=False)
+        assert all(q.act_bits == 8 for q in quantized_modules(model).values())
+        logits = model(calib.input_ids).logits
+        errors[method] = ((logits - reference).norm() / reference.norm()).item()
+        models[method] = (model, config)
+    assert errors["qqq"] < errors["gptq"] < errors["rtn"], errors
+
+    model, config = models["qqq"]
+    out = export_checkpoint(model, None, tmp_path / "ckpt", config, "compressed-tensors", dtype="float16")
+    scheme = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert scheme["input_activations"]["num_bits"] == 8 and scheme["weights"]["symmetric"]
+    tensors = load_file(out / "model.safetensors")
+    reloaded, _ = load_quantized(out, dtype=torch.float32)
+    for name, q in quantized_modules(model).items():
+        assert (q.channel_scales is not None) == (group_size != -1)
+        qw = q.to_quantized()  # weight_scale is the effective scale s_g, exactly (fp16 holds it)
+        torch.testing.assert_close(tensors[f"{name}.weight_scale"].float(), qw.scales, rtol=0, atol=0)
+        r = reloaded.get_submodule(name)
+        assert isinstance(r, QuantLinear) and r.act_bits == 8
+        torch.testing.assert_close(r.dequantized_weight(), q.dequantized_weight().float(), rtol=0, atol=0)
+    with torch.no_grad():  # the export stored embeddings and norms in fp16; int8 rounding magnifies that
+        for p in model.parameters():
+            p.copy_(p.half())
+    torch.testing.assert_close(reloaded(calib.input_ids).logits, model(calib.input_ids).logits)
