@@ -239,6 +239,139 @@ def markdown(meta: dict, results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+GEMV_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 3), (128, 128, 4, 3),
+              (128, 256, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (256, 64, 4, 3), (256, 128, 4, 3),
+              (256, 64, 8, 3), (256, 128, 8, 3)]  # (BLOCK_N, BLOCK_K, warps, stages)
+SMALL_MS = (1, 4, 16, 64)
+
+
+def gemv_sweep_configs(m: int, n: int, k: int, group: int) -> list[dict]:
+    """Every gemv tile with every power-of-two split that leaves each split at least two K tiles."""
+    from quantkit.kernels.autotune import _fits
+
+    out = []
+    for bn, bk, warps, stages in GEMV_TILES:
+        for split in (1, 2, 4, 8, 16):
+            cfg = dict(kernel="gemv", BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
+                       num_stages=stages)
+            if (split == 1 or k // bk >= 2 * split) and _fits(cfg, k, group):
+                out.append(cfg)
+    return out
+
+
+def _poisoned_run(layer: QuantLinear, x: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """run_config with every torch.empty NaN-filled first, so unwritten outputs fail the check."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = poisoned
+    try:
+        return run_config(layer, x, cfg)
+    finally:
+        torch.empty = real_empty
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    return err if math.isfinite(err) else float("inf")
+
+
+def _gemv_compiles() -> list:
+    """Compiled gemv variants in compile order (empty if this Triton hides them)."""
+    from quantkit.kernels.w4a16 import _w4a16_gemv_kernel
+
+    try:
+        return [c for cache in _w4a16_gemv_kernel.device_caches.values() for c in cache[0].values()]
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return []
+
+
+def _resources(cfg: dict, seen: dict, compiles_before: int) -> dict:
+    """Registers / spills of cfg's gemv tile, read when its first call compiled a new variant."""
+    tile = (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
+    compiles = _gemv_compiles()
+    if tile not in seen and len(compiles) > compiles_before:
+        seen[tile] = dict(regs=getattr(compiles[-1], "n_regs", None), spills=getattr(compiles[-1], "n_spills", None))
+    return seen.get(tile, {})
+
+
+def check_odd_shapes(log) -> int:
+    """Every gemv sweep config vs float64 on small odd layers (bias, asym, bf16, g32, per-channel)."""
+    failures = 0
+    for k, n, group, dtype, sym in ((768, 776, 128, torch.float16, True), (2048, 200, 32, torch.bfloat16, False),
+                                    (1024, 96, -1, torch.float16, False)):
+        layer = random_layer(k, n, group, "w4a16", dtype, sym, bias=True)
+        tol = 2e-3 if dtype == torch.float16 else 1.2e-2
+        for m in (1, 3, 5):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            ref = reference(layer, x)
+            for cfg in gemv_sweep_configs(m, n, k, layer.group_size)[::14]:  # a spread: each is a compile
+                err = _rel_err(_poisoned_run(layer, x, cfg), ref)
+                if not err < tol:
+                    failures += 1
+                    log(f"FAIL odd K{k} N{n} g{group} {dtype} sym={sym} m={m} {cfg}: {err:.2e}")
+    log(f"odd shapes checked: {failures} failures")
+    return failures
+
+
+def sweep_small_m(log, out: Path, budget_s: float) -> int:
+    """Correctness (float64, NaN-poisoned outputs) and timing of every gemv config for M in SMALL_MS on
+    every benchmark shape (g128 sym fp16), next to cuBLAS and the current gemm default; best per cell."""
+    from quantkit.kernels.autotune import candidates
+
+    t_start, failures, rows, seen = time.time(), check_odd_shapes(log), [], {}
+    for m in SMALL_MS:
+        for shape, (k, n) in SHAPES.items():
+            q_bytes = k * n // 2 + 2 * n * (k // 128) + 2 * (m * k + m * n)
+            fp16_bytes = 2 * (k * n + m * k + m * n)
+            base_calls = []
+            for _ in range(copies_for(fp16_bytes)):
+                w, x = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02, torch.randn(m, k, device="cuda", dtype=DTYPE)
+                base_calls.append(lambda w=w, x=x: F.linear(x, w))
+            t_base = graph_time(base_calls)
+            del base_calls, w
+            layers = [random_layer(k, n, 128, "w4a16") for _ in range(copies_for(q_bytes))]
+            xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
+            ref = reference(layers[0], xs[0])
+            gemm_default = next(c for c in candidates("w4a16", m, n, k, 128) if c["kernel"] != "gemv")
+            configs = [gemm_default] + (gemv_sweep_configs(m, n, k, 128) if m <= 4 else [])
+            for cfg in configs:
+                if time.time() - t_start > budget_s and cfg is not gemm_default:
+                    break
+                compiles_before = len(_gemv_compiles())
+                err = _rel_err(_poisoned_run(layers[0], xs[0], cfg), ref)
+                res = _resources(cfg, seen, compiles_before) if cfg["kernel"] == "gemv" else {}
+                if not err < 2e-3:
+                    failures += 1
+                    log(f"FAIL {shape} M={m} {cfg}: rel err {err:.2e}")
+                    continue
+                t = graph_time([lambda la=la, x=x, c=cfg: run_config(la, x, c) for la, x in zip(layers, xs, strict=True)])
+                rows.append(dict(shape=shape, K=k, N=n, M=m, config=cfg, rel_err=err, t_us=t * 1e6,
+                                 t_cublas_us=t_base * 1e6, speedup=t_base / t, GBps=q_bytes / t / 1e9, **res))
+            del layers, xs, ref
+            torch.cuda.empty_cache()
+            log(f"swept {shape} M={m} [{time.time() - t_start:.0f}s]")
+            (out / "sweep_small_m.json").write_text(json.dumps(rows, indent=1))
+    best = {}
+    for r in rows:
+        key = (r["shape"], r["M"])
+        if key not in best or r["t_us"] < best[key]["t_us"]:
+            best[key] = r
+    lines = ["| shape | M | cuBLAS us | kernel us | speedup | GB/s | regs | spills | best config |", "|---" * 9 + "|"]
+    for r in best.values():
+        c = r["config"]
+        lines.append(f"| {r['shape']} | {r['M']} | {r['t_cublas_us']:.1f} | {r['t_us']:.1f} | {r['speedup']:.2f} | "
+                     f"{r['GBps']:.0f} | {r.get('regs')} | {r.get('spills')} | {c['kernel']} BN{c['BLOCK_N']} "
+                     f"BK{c['BLOCK_K']} S{c['SPLIT_K']} w{c['num_warps']} s{c['num_stages']} |")
+    (out / "sweep_small_m.md").write_text("\n".join(lines) + "\n")
+    log(f"correctness failures: {failures}")
+    print("\n".join(lines))
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/kernels"))
@@ -246,6 +379,9 @@ def main() -> int:
     parser.add_argument("--schemes", nargs="+", default=["w4a16", "w4a8"])
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--ms", type=int, nargs="+", default=list(MS))
+    parser.add_argument("--sweep-small-m", action="store_true",
+                        help="only check and time every gemv config for M in 1, 4, 16, 64 (w4a16 g128)")
+    parser.add_argument("--budget-s", type=float, default=150.0, help="stop the sweep's gemv timings after this")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     logfile = open(args.out / "log.txt", "a")
@@ -265,6 +401,8 @@ def main() -> int:
                 command=" ".join(sys.argv), commit=commit or "uncommitted", torch=torch.__version__,
                 triton=triton.__version__)
     torch.manual_seed(0)
+    if args.sweep_small_m:
+        return int(sweep_small_m(log, args.out, args.budget_s) > 0)
     if args.check:
         t0 = time.time()
         failures = check_correctness(log, args.schemes)

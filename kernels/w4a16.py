@@ -7,6 +7,9 @@ Three paths, chosen per M bucket by quantkit.kernels.autotune:
   gemv        M small: no tensor cores, fp32 FMAs. Each nibble is masked *in place* (no shift per element):
               OR-ing it into the mantissa of 2**23 gives 2**23 + q * 16**i exactly, and the activation is
               pre-scaled by 16**-i once per tile instead (the high 16 bits of each word get one shift).
+              The 8 nibbles of a word are summed at once (accumulator: one fp32 per word of the tile) and
+              the group scale applied to that sum; x rows are the fastest grid axis (weight tile read from
+              DRAM once, from L2 for the other rows); K is split at run time (no recompile per split).
   gemm        tiled tl.dot (tensor cores) on weights dequantized in registers; split-K for small grids.
   dequant_mm  M large: dequantize the whole weight once, then cuBLAS (vLLM does the same for AWQ above
               a token threshold); the dequant costs ~K*N*2.5 bytes, small next to a compute-bound GEMM.
@@ -31,10 +34,14 @@ MAGIC_F32 = tl.constexpr(8388608.0)  # 2**23: OR-ing an integer below 2**23 into
 
 @triton.jit
 def _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS: tl.constexpr, GROUP: tl.constexpr,
-                BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr):
+                BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr, WORD_LAYOUT: tl.constexpr = False):
     """Scale and zero point (fp32) for the 8-input rows k0 + 8r of a K tile: [1, BN] if one group spans the
-    tile, else [ROWS, BN] (groups are multiples of 8, so a packed row never straddles two groups)."""
-    if BLOCK_K <= GROUP:
+    tile, else [ROWS, BN] (groups are multiples of 8, so a packed row never straddles two groups).
+    WORD_LAYOUT: always [ROWS, BN], the int32 word tile's shape, so the compiler gives both loads one register
+    layout (a [1, BN] scale made it convert the gemv's whole partial tile through shared memory per K tile)."""
+    if WORD_LAYOUT:
+        g = (k0 + 8 * tl.arange(0, ROWS)) // GROUP
+    elif BLOCK_K <= GROUP:
         g = (k0 // GROUP) + tl.zeros([1], dtype=tl.int32)
     else:
         g = (k0 + 8 * tl.arange(0, ROWS)) // GROUP
@@ -105,32 +112,36 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
     _store_output(acc, out_ptr, part_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, SPLIT_K, HAS_BIAS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])  # one compile serves every M and split
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, M, N, K,
                        GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    pid_n, pid_k, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                       SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IS_SPLIT: tl.constexpr):
+    # SPLIT_K is a runtime argument; IS_SPLIT picks the store (final output or fp32 partial).
+    # Rows of x are the fastest grid axis: the programs sharing a weight tile run together and all but
+    # the first find it in L2, so the weight crosses DRAM once for any M.
+    m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     ROWS: tl.constexpr = BLOCK_K // 8
-    rows, nib = tl.arange(0, ROWS), tl.arange(0, 4)
-    # Element [r, n, h, i] is input 8r + 4h + i; h selects the word's 16-bit half, i the nibble in it.
-    k_in_tile = (8 * rows[:, None, None] + 4 * tl.arange(0, 2)[None, :, None] + nib[None, None, :])[:, None]
-    pow16 = (1 << (4 * nib)).to(tl.float32)
-    inv_pow16 = 1.0 / pow16  # exact powers of two
-    acc = tl.zeros((ROWS, BLOCK_N, 2, 4), dtype=tl.float32)
+    rows = tl.arange(0, ROWS)
+    # Every tensor is [ROWS, BLOCK_N] in the layout of the coalesced weight load (nibbles are a static
+    # loop, not a tensor axis): no layout conversion inside the K loop, one fp32 accumulator per word.
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0 = t * BLOCK_K
-        x = tl.load(x_ptr + m * K + k0 + k_in_tile).to(tl.float32) * inv_pow16
         words = tl.load(qw_ptr + (k0 // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-        halves = tl.join(words & 0xFFFF, (words >> 16) & 0xFFFF)
-        q = ((halves[:, :, :, None] & (0xF << (4 * nib))) | 0x4B000000).to(tl.float32, bitcast=True)
-        s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
-        base = MAGIC_F32 + z[:, :, None, None] * pow16  # exact: z * 16**i < 2**16
-        acc += (q - base) * s[:, :, None, None] * x
-    out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
+        s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS, True)
+        partial = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for h in tl.static_range(2):  # 16-bit half h of each word holds inputs 8r + 4h + i, i < 4
+            half = (words >> (16 * h)) & 0xFFFF
+            for i in tl.static_range(4):
+                x = tl.load(x_ptr + m * K + k0 + 8 * rows + 4 * h + i).to(tl.float32) * (1.0 / (1 << (4 * i)))
+                q = ((half & (0xF << (4 * i))) | 0x4B000000).to(tl.float32, bitcast=True)
+                partial += (q - (MAGIC_F32 + z * (1 << (4 * i)))) * x[:, None]  # exact: (q - z) * 16**i
+        acc += partial * s  # the group scale once per word, after its 8 nibbles are summed
+    out = tl.sum(acc, axis=0)
     _store_output(out[None, :], out_ptr, part_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
-                  SPLIT_K, HAS_BIAS)
+                  1 + IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -197,13 +208,14 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     args = (x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
             out, part, m, n, k)
     flags = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
-                 BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], SPLIT_K=split,
+                 BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                  num_warps=config["num_warps"], num_stages=config["num_stages"])
     if config["kernel"] == "gemv":
-        _w4a16_gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]), split, m)](*args, **flags)
+        _w4a16_gemv_kernel[(m, triton.cdiv(n, config["BLOCK_N"]), split)](*args, SPLIT_K=split,
+                                                                          IS_SPLIT=split > 1, **flags)
     else:
         grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split)
         # Triton's CPU interpreter gets bf16 tl.dot wrong (3.9): there, and only there, multiply in fp32.
         upcast = x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-        _w4a16_gemm_kernel[grid](*args, BLOCK_M=config["BLOCK_M"], UPCAST_DOT=upcast, **flags)
+        _w4a16_gemm_kernel[grid](*args, BLOCK_M=config["BLOCK_M"], SPLIT_K=split, UPCAST_DOT=upcast, **flags)
     return splitk_reduce(part, bias, out) if split > 1 else out

@@ -91,6 +91,22 @@ def test_default_configs_for_odd_shapes(k, n, m):
         check(layer, m, config)
 
 
+@pytest.mark.parametrize(("m", "split"), [(1, 1), (1, 3), (4, 4), (2, 8)])
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_gemv_rows_and_runtime_splits(m, split):
+    """The gemv path's x-row grid axis and runtime K split (uneven: 3 splits of 8 K tiles), partial N tile."""
+    layer = random_layer(512, 40, 64, torch.float16, sym=False, seed=split)
+    check(layer, m, {**GEMV, "BLOCK_N": 64, "SPLIT_K": split}, seed=m)
+
+
+def test_gemv_default_split_fills_the_gpu_and_keeps_two_k_tiles():
+    for k, n in ((4096, 4096), (14336, 4096), (4096, 28672), (8192, 57344)):
+        for cfg in [c for c in candidates("w4a16", 1, n, k, 128) if c["kernel"] == "gemv"]:
+            k_tiles, programs = k // cfg["BLOCK_K"], -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
+            assert cfg["SPLIT_K"] == 1 or k_tiles >= 2 * cfg["SPLIT_K"]
+            assert programs >= 4 * 132 or cfg["SPLIT_K"] == min(16, k_tiles // 2)
+
+
 def test_dequantize_is_the_reference_weight():
     layer = random_layer(128, 48, 64, torch.float16, sym=False)
     w = dequantize(layer.qweight, layer.scales, layer.zeros, 64)
