@@ -32,7 +32,7 @@ WINDOWS = 4
 @pytest.fixture(scope="module")
 def setup(smollm2):
     model, tokenizer = smollm2
-    calib = build_calibration_set(tokenizer, load_passages(None), nsamples=32, seqlen=256, seed=0)
+    calib = build_calibration_set(tokenizer, load_passages(None), nsamples=16, seqlen=256, seed=0)
     texts = {name: load_text(path) for name, path in default_heldout_texts().items()}
     return model, tokenizer, calib, texts
 
