@@ -170,6 +170,8 @@ def evaluate_cmd(
     report: Annotated[Path | None, typer.Option("--report", help="folder for JSON, Markdown and plots")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write all metrics as JSON")] = None,
     seqlen: Annotated[int, typer.Option(help="perplexity window")] = 512,
+    max_windows: Annotated[int | None, typer.Option(help="perplexity windows per text (default: all)")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per side-by-side generation")] = 64,
     batch_size: Annotated[int, typer.Option(help="evaluation batch size")] = 8,
     device: Annotated[str | None, typer.Option(help="cuda or cpu (default: cuda if available)")] = None,
     backend: Annotated[str, typer.Option(help="native or lm-eval")] = "native",
@@ -182,7 +184,8 @@ def evaluate_cmd(
     try:
         run_eval(models, texts=text, tasks=[t for t in tasks.split(",") if t], limit=limit,
                  num_fewshot=num_fewshot, generations=generations, report_dir=report, json_path=json_path,
-                 batch_size=batch_size, device=device, backend=backend, seqlen=seqlen, console=Console())
+                 batch_size=batch_size, device=device, backend=backend, seqlen=seqlen, console=Console(),
+                 max_windows=max_windows, max_new_tokens=max_new_tokens)
     except (QuantizationError, FileNotFoundError, ValueError) as err:
         _fail(err)
 

@@ -125,3 +125,17 @@ def test_existing_output_is_not_overwritten(tiny_llama, tmp_path) -> None:
     (tmp_path / "q").mkdir()
     result = _quantize(str(tiny_llama), "--output", str(tmp_path / "q"))
     assert result.exit_code == 2 and "already exists" in result.output
+
+
+def test_eval_compares_a_model_and_its_export(tiny_llama, tmp_path) -> None:
+    out = tmp_path / "q"
+    assert _quantize(str(tiny_llama), "--method", "rtn", "--group-size", "32", "--output", str(out)).exit_code == 0
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    result = _Result(["eval", str(tiny_llama), str(out), "--text", str(text), "--seqlen", "64",
+                      "--max-windows", "2", "--json", str(tmp_path / "r.json"), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    models = json.loads((tmp_path / "r.json").read_text())["models"]
+    assert len(models) == 2
+    ppl = [next(iter(m["perplexity"].values()))["ppl"] for m in models]
+    assert all(p > 1 for p in ppl) and ppl[0] != ppl[1]

@@ -1,0 +1,214 @@
+"""Evaluation results as JSON, a Markdown report with deltas against the first model, PNG plots, rich tables.
+
+`results` is what `run_eval` returns: {"date", "config", "prompts", "models": [{"label", "model",
+"tasks": {task: {"metrics": {metric: {"value", "stderr"}}, "n", "num_fewshot", "primary_metric",
+"seconds"}}, "perplexity": {text: {"ppl", ...}}, "generations": [str, ...]}, ...]}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rich.table import Table
+
+PPL_KEY = "ppl"
+
+
+def _percent(entry: dict) -> str:
+    value, stderr = entry["value"], entry["stderr"]
+    text = f"{100 * value:.1f}"
+    return text if stderr is None else f"{text} ± {100 * stderr:.1f}"
+
+
+def _delta_points(value: float, base: float) -> str:
+    return f"{100 * (value - base):+.1f}"
+
+
+def _delta_relative(value: float, base: float) -> str:
+    return f"{100 * (value / base - 1):+.1f}%" if base else "n/a"
+
+
+def task_rows(results: dict) -> list[list[str]]:
+    """[task, metric, n, shots, value per model..., delta per model after the first...] for every metric."""
+    models = results["models"]
+    base = models[0]["tasks"]
+    rows = []
+    for task, first in base.items():
+        for metric, base_entry in first["metrics"].items():
+            values = [m["tasks"][task]["metrics"][metric] for m in models]
+            deltas = [_delta_points(v["value"], base_entry["value"]) for v in values[1:]]
+            rows.append(
+                [task, metric, str(first["n"]), str(first["num_fewshot"])]
+                + [_percent(v) for v in values]
+                + deltas
+            )
+    return rows
+
+
+def perplexity_rows(results: dict) -> list[list[str]]:
+    models = results["models"]
+    rows = []
+    for text, base_entry in models[0]["perplexity"].items():
+        values = [m["perplexity"][text][PPL_KEY] for m in models]
+        deltas = [_delta_relative(v, base_entry[PPL_KEY]) for v in values[1:]]
+        rows.append([text] + [f"{v:.3f}" for v in values] + deltas)
+    return rows
+
+
+def _labels(results: dict) -> list[str]:
+    return [m["label"] for m in results["models"]]
+
+
+def _delta_headers(results: dict) -> list[str]:
+    return [f"Δ {label}" for label in _labels(results)[1:]]
+
+
+def summary_table(results: dict) -> Table:
+    """Accuracy (%) ± stderr per task and metric, then perplexity per text, one column per model."""
+    table = Table(title="quantkit evaluation (accuracy in %, Δ against the first model)")
+    for header in ["task / text", "metric", "n", *_labels(results), *_delta_headers(results)]:
+        table.add_column(header, justify="left" if header in ("task / text", "metric") else "right")
+    for row in task_rows(results):
+        table.add_row(row[0], row[1], row[2], *row[4:])
+    for row in perplexity_rows(results):
+        table.add_row(row[0], "perplexity", "", *row[1:])
+    return table
+
+
+def generations_table(results: dict) -> Table:
+    table = Table(title="Generations (greedy)", show_lines=True)
+    table.add_column("prompt")
+    for label in _labels(results):
+        table.add_column(label)
+    for i, prompt in enumerate(results["prompts"]):
+        table.add_row(prompt, *[m["generations"][i] for m in results["models"]])
+    return table
+
+
+def _markdown_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+    return [line(headers), line(["---"] * len(headers)), *map(line, rows), ""]
+
+
+def _fenced(text: str) -> list[str]:
+    return ["~~~~text", text.replace("~~~~", "~ ~ ~ ~"), "~~~~", ""]
+
+
+def markdown_report(results: dict, plots: list[str]) -> str:
+    config = results["config"]
+    lines = [
+        "# quantkit evaluation",
+        "",
+        f"Date: {results['date']}. Backend: {config['backend']}; limit: {config['limit']}; "
+        f"few-shot: {config['num_fewshot'] if config['num_fewshot'] is not None else 'task default'}; "
+        f"device: {config['device']}. Accuracy in %, ± the standard error of the mean; "
+        "Δ in points (accuracy) or % (perplexity) against the first model.",
+        "",
+        "## Models",
+        "",
+        *_markdown_table(
+            ["label", "model", "load (s)"],
+            [[m["label"], m["model"], f"{m['load_seconds']:.1f}"] for m in results["models"]],
+        ),
+    ]
+    if results["models"][0]["tasks"]:
+        headers = ["task", "metric", "n", "shots", *_labels(results), *_delta_headers(results)]
+        lines += ["## Tasks", "", *_markdown_table(headers, task_rows(results))]
+    if results["models"][0]["perplexity"]:
+        headers = ["text", *_labels(results), *_delta_headers(results)]
+        lines += [
+            f"## Perplexity (seqlen {config['seqlen']})",
+            "",
+            *_markdown_table(headers, perplexity_rows(results)),
+        ]
+    lines += [f"![{Path(p).stem}]({p})\n" for p in plots]
+    if results["prompts"]:
+        lines += ["## Generations", ""]
+        for i, prompt in enumerate(results["prompts"]):
+            lines += [f"### Prompt {i + 1}", "", *_fenced(prompt)]
+            for model in results["models"]:
+                lines += [f"**{model['label']}**", "", *_fenced(model["generations"][i])]
+    return "\n".join(lines)
+
+
+def _grouped_bars(
+    ax, groups: list[str], series: dict[str, list[float]], errors: dict[str, list[float]] | None
+):
+    width = 0.8 / max(len(series), 1)
+    for k, (label, values) in enumerate(series.items()):
+        positions = [i + (k - (len(series) - 1) / 2) * width for i in range(len(groups))]
+        yerr = errors[label] if errors else None
+        ax.bar(positions, values, width, yerr=yerr, capsize=3, label=label)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups)
+    ax.legend()
+
+
+def write_plots(results: dict, report_dir: Path) -> list[str]:
+    """accuracy.png (primary metric per task per model) and perplexity.png (per text), where there is data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = results["models"]
+    written = []
+    tasks = list(models[0]["tasks"])
+    if tasks:
+        fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(tasks)), 4))
+        primary = {t: models[0]["tasks"][t]["primary_metric"] for t in tasks}
+        entries = {m["label"]: [m["tasks"][t]["metrics"][primary[t]] for t in tasks] for m in models}
+        values = {label: [100 * e["value"] for e in es] for label, es in entries.items()}
+        errors = {label: [100 * (e["stderr"] or 0.0) for e in es] for label, es in entries.items()}
+        _grouped_bars(ax, [f"{t}\n{primary[t]}" for t in tasks], values, errors)
+        ax.set_ylabel("accuracy (%)")
+        ax.set_title("Accuracy per task")
+        written.append(_save(fig, report_dir / "accuracy.png"))
+    texts = list(models[0]["perplexity"])
+    if texts:
+        fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(texts)), 4))
+        values = {m["label"]: [m["perplexity"][t][PPL_KEY] for t in texts] for m in models}
+        _grouped_bars(ax, texts, values, None)
+        ax.set_ylabel("perplexity")
+        ax.set_title("Perplexity per text (lower is better)")
+        written.append(_save(fig, report_dir / "perplexity.png"))
+    plt.close("all")
+    return written
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path.name
+
+
+def _jsonable(value):
+    """NaN and infinity become null: strict JSON has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def write_json(results: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_jsonable(results), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+def write_report(results: dict, report_dir: Path) -> dict[str, Path]:
+    """results.json, report.md and the plots in report_dir."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(results, report_dir)
+    markdown = report_dir / "report.md"
+    markdown.write_text(markdown_report(results, plots) + "\n", encoding="utf-8")
+    written = {"json": write_json(results, report_dir / "results.json"), "markdown": markdown}
+    written.update({Path(p).stem: report_dir / p for p in plots})
+    return written

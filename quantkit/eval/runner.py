@@ -1,0 +1,264 @@
+"""`run_eval`: tasks, perplexity and side-by-side generations for several models, then the report."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from quantkit import __version__
+from quantkit.eval import lm_eval_backend, native, report
+from quantkit.eval.generation import chat_prompt, generate
+from quantkit.eval.tasks import Task, build_prompts, get_task
+
+BACKENDS = ("native", "lm-eval")
+DEFAULT_MAX_NEW_TOKENS = 128
+
+Loader = Callable[[str], tuple]  # path or name -> (model, tokenizer, label)
+
+
+def load_prompts(path: Path | None = None) -> list[str]:
+    """Generation prompts from a JSON file: a list of strings or of {"prompt": ...} objects."""
+    if path is None:
+        from quantkit.data import shipped_file
+
+        path = shipped_file("eval_prompts.json")
+    entries = json.loads(Path(path).read_text(encoding="utf-8"))
+    entries = entries["prompts"] if isinstance(entries, dict) else entries
+    return [e if isinstance(e, str) else e["prompt"] for e in entries]
+
+
+def _text_sources(texts: list[str] | None) -> dict[str, str]:
+    """label -> source (a file or a hub dataset name); None means the shipped held-out texts."""
+    if texts is None:
+        from quantkit.data import default_heldout_texts
+
+        return {label: str(path) for label, path in default_heldout_texts().items()}
+    return {Path(t).stem if Path(t).suffix else t: t for t in texts}
+
+
+def _default_loader(device: str) -> Loader:
+    from quantkit.models import load_for_eval
+
+    return lambda name: load_for_eval(name, device=device)
+
+
+def _resolve_device(device: str | None) -> str:
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _place(model, device: str):
+    if getattr(model, "hf_device_map", None) is None:  # a model dispatched by accelerate stays put
+        model = model.to(device)
+    return model.eval()
+
+
+def _unique_label(label: str, taken: list[str]) -> str:
+    candidate, k = label, 2
+    while candidate in taken:
+        candidate, k = f"{label} ({k})", k + 1
+    return candidate
+
+
+def run_eval(
+    models: list[str],
+    *,
+    texts: list[str] | None,
+    tasks: list[str],
+    limit: int | None,
+    num_fewshot: int | None,
+    generations: bool,
+    report_dir: Path | None,
+    json_path: Path | None,
+    batch_size: int,
+    device: str | None,
+    backend: str = "native",
+    seqlen: int = 512,
+    console: Console | None = None,
+    loader: Loader | None = None,
+    prompts: list[str] | None = None,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    max_windows: int | None = None,
+) -> dict:
+    """Evaluate each model (the first is the baseline for deltas) and write the requested outputs.
+
+    texts: perplexity sources (files or hub names); None = the shipped English and Korean held-out
+    text, [] = no perplexity. prompts: for generations; None = calib_data/eval_prompts.json.
+    """
+    console = console or Console()
+    if not models:
+        raise ValueError("give at least one model to evaluate")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    if backend == "lm-eval":
+        lm_eval_backend.check_available()
+    task_list = [get_task(name) for name in tasks]
+    sources = _text_sources(texts)
+    prompt_list = (prompts if prompts is not None else load_prompts()) if generations else []
+    device = _resolve_device(device)
+    prepared = (
+        {t.name: build_prompts(t, limit, num_fewshot) for t in task_list} if backend == "native" else {}
+    )
+    results = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": {
+            "models": list(models),
+            "tasks": list(tasks),
+            "limit": limit,
+            "num_fewshot": num_fewshot,
+            "backend": backend,
+            "texts": sources,
+            "seqlen": seqlen,
+            "max_windows": max_windows,
+            "batch_size": batch_size,
+            "device": device,
+            "generations": generations,
+            "max_new_tokens": max_new_tokens,
+            "versions": _versions(),
+        },
+        "prompts": prompt_list,
+        "models": [],
+    }
+    loader = loader or _default_loader(device)
+    for name in models:
+        entry = _evaluate_model(
+            name, loader, task_list, prepared, sources, prompt_list, results["config"], console
+        )
+        entry["label"] = _unique_label(entry["label"], [m["label"] for m in results["models"]])
+        results["models"].append(entry)
+    console.print(report.summary_table(results))
+    if prompt_list:
+        console.print(report.generations_table(results))
+    if report_dir is not None:
+        written = report.write_report(results, Path(report_dir))
+        console.print(f"report: {written['markdown']}")
+    if json_path is not None:
+        report.write_json(results, Path(json_path))
+    return results
+
+
+def _evaluate_model(
+    name: str,
+    loader: Loader,
+    task_list: list[Task],
+    prepared: dict,
+    sources: dict[str, str],
+    prompt_list: list[str],
+    config: dict,
+    console: Console,
+) -> dict:
+    start = time.perf_counter()
+    model, tokenizer, label = loader(name)
+    model = _place(model, config["device"])
+    entry = {"model": name, "label": label, "load_seconds": time.perf_counter() - start}
+    console.print(f"[bold]{label}[/bold] loaded in {entry['load_seconds']:.1f} s")
+    entry["tasks"] = {
+        task.name: _run_task(model, tokenizer, task, prepared, config, console) for task in task_list
+    }
+    entry["perplexity"] = _perplexities(model, tokenizer, sources, config, console)
+    entry["generations"] = _generations(model, tokenizer, prompt_list, config)
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return entry
+
+
+def _run_task(model, tokenizer, task: Task, prepared: dict, config: dict, console: Console) -> dict:
+    start = time.perf_counter()
+    shots = task.default_fewshot if config["num_fewshot"] is None else config["num_fewshot"]
+    if config["backend"] == "native":
+        items = prepared[task.name]
+        with _progress(console) as progress:
+            bar = progress.add_task(task.name, total=native.request_count(task, items))
+            metrics = native.evaluate_task(
+                model,
+                tokenizer,
+                task,
+                items,
+                batch_size=config["batch_size"],
+                progress=lambda n: progress.advance(bar, n),
+            )
+        n = len(items)
+    else:
+        metrics, n = lm_eval_backend.evaluate_task(
+            model,
+            tokenizer,
+            task,
+            limit=config["limit"],
+            num_fewshot=config["num_fewshot"],
+            batch_size=config["batch_size"],
+        )
+    seconds = time.perf_counter() - start
+    primary = metrics[task.primary_metric]
+    console.print(
+        f"  {task.name}: {task.primary_metric} {100 * primary['value']:.1f} ({n} questions, {seconds:.1f} s)"
+    )
+    return {
+        "metrics": metrics,
+        "n": n,
+        "num_fewshot": shots,
+        "primary_metric": task.primary_metric,
+        "seconds": seconds,
+    }
+
+
+def _perplexities(model, tokenizer, sources: dict[str, str], config: dict, console: Console) -> dict:
+    if not sources:
+        return {}
+    from quantkit.data import load_text
+    from quantkit.eval.perplexity import perplexity
+
+    found = {}
+    for label, source in sources.items():
+        start = time.perf_counter()
+        found[label] = perplexity(
+            model,
+            tokenizer,
+            load_text(source),
+            seqlen=config["seqlen"],
+            max_windows=config["max_windows"],
+            batch_size=config["batch_size"],
+        )
+        console.print(
+            f"  perplexity {label}: {found[label][report.PPL_KEY]:.3f} ({time.perf_counter() - start:.1f} s)"
+        )
+    return found
+
+
+def _generations(model, tokenizer, prompt_list: list[str], config: dict) -> list[str]:
+    if not prompt_list:
+        return []
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    return generate(
+        model,
+        tokenizer,
+        [chat_prompt(tokenizer, p) for p in prompt_list],
+        max_new_tokens=config["max_new_tokens"],
+        batch_size=config["batch_size"],
+        add_special_tokens=not templated,  # a chat template writes its own special tokens
+    )
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("  {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    return {"quantkit": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
