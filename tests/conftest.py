@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton kernels run in the interpreter on CPU-only machines. Set before any test module imports
+# triton (a module importing it first, without the flag, leaves @triton.jit helpers compiled-only).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.manual_seed(0)
 
 
