@@ -63,9 +63,10 @@ def test_gptq_costs_less_perplexity_than_rtn(results, group: int) -> None:
         assert gptq[text] - fp[text] < rtn[text] - fp[text], (text, fp, rtn, gptq)
 
 
-@pytest.mark.parametrize("group,bound", [(64, 0.15), (-1, 0.35)])
+@pytest.mark.parametrize("group,bound", [(64, 0.6), (-1, 1.5)])
 def test_gptq_perplexity_increase_is_bounded(results, group: int, bound: float) -> None:
-    """exp(delta NLL) - 1 = relative perplexity increase; bounds from benchmarks/accuracy (x ~1.5 margin)."""
+    """exp(delta NLL) - 1 = relative perplexity increase. On the H200 with 32 x 512 calibration tokens GPTQ
+    g64 cost +29% (English) and +16% (Korean) (benchmarks/README.md); this test calibrates on 16 x 256."""
     fp, gptq = results["fp"][0], results[("gptq", group)][0]
     for text in fp:
         assert gptq[text] - fp[text] < torch.log1p(torch.tensor(bound)).item(), (text, fp[text], gptq[text])
