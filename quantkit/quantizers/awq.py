@@ -1,0 +1,396 @@
+"""AWQ, activation-aware weight quantization (Lin et al., 2023, arXiv:2306.00978).
+
+Per decoder layer, before any linear is quantized (Method.smooth_layer):
+
+1. Scale search, for each scaling group of the architecture adapter (input norm -> q/k/v, v -> o
+   without grouped-query attention, post-attention norm -> gate/up, up -> down; OPT alike):
+   x̄ = mean |x| per input channel of the group's linears over the calibration tokens; for
+   r = 0, 1/20, ..., 19/20, s = x̄^r (duo scaling: x̄^r / w̄^(1-r), w̄ the mean |W| normalised by each
+   quantization group's max), normalised by sqrt(max s * min s). The loss of r is the MSE of the
+   inspected block's output (attention, MLP, or the linears themselves) when the linears hold
+   Q(W s) / s instead of W, on the same inputs. The best s is folded (quantkit.smoothing): prev's
+   outputs / s and the linears' input columns * s, which leaves the layer's function unchanged.
+2. Clip search on every linear but q and k (their errors meet in the q·k product, which a per-linear
+   output error does not see): per quantization group, the max |w| shrunk by 5% steps down to 0.55
+   that minimises the group's partial-output MSE on ~512 sampled tokens. The weights are clamped to
+   it, so the min-max RTN that follows sees exactly the searched range.
+3. Every linear is quantized by RTN, as `rtn` does.
+
+Q in both searches is that same RTN (rtn_quantize: min-max grid containing zero, fp16-rounded
+scales), so the searched losses are those of the weights that are exported.
+
+Follows AutoAWQ (awq/quantize/quantizer.py: _search_best_scale, _compute_best_scale,
+_search_best_clip, _compute_best_clip) and llm-compressor's AWQModifier (modifiers/awq/base.py:
+_compute_best_scale; the same grid and scale formula). Differences: padding tokens never enter the
+statistics or the losses; x̄ stays in fp32 (AutoAWQ casts it back to fp16); groups without an
+inspected block compute their output error directly as X (Q(W s)/s - W)^T; clip errors come from
+per-group batched matrix products instead of a broadcast [out, tokens, groups, group] product; a
+ratio with a non-finite loss is passed over and a group with non-finite activations, or none at
+all, keeps s = 1 (AutoAWQ raises).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from quantkit.config import QuantConfig
+from quantkit.models.adapters import ScalingGroup
+from quantkit.qtensor import QuantizationError, check_group_size
+from quantkit.quantizers.base import LinearQuantizer, Method, register
+from quantkit.quantizers.rtn import RTNQuantizer, rtn_quantize
+from quantkit.smoothing import active_scaling_groups, fold_scales
+
+if TYPE_CHECKING:
+    from quantkit.engine import LayerContext
+
+log = logging.getLogger("quantkit")
+
+SCALE_FLOOR = 1e-4  # AutoAWQ clamps x̄^r (and adds to w̄^(1-r)) here, so dead channels keep a scale
+WEIGHT_EPS = 1e-6  # AutoAWQ's guard when normalising |W| by its group max
+# AutoAWQ's clip grid: n_grid 20, max_shrink 0.5, i.e. maxima 1.0, 0.95, ..., 0.55 of the group's |w| max.
+CLIP_GRID = 20
+CLIP_STEPS = 10
+CLIP_TOKENS = 512  # AutoAWQ n_sample_token: every (tokens // 512)-th token
+CLIP_ELEMENTS = 2**26  # bound on one output-channel batch's temporaries in the clip search
+UNCLIPPED = ("q_proj", "k_proj")
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """At least fp32 arithmetic (bf16 models), float64 kept: the same rule as fold_scales."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def grid_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, grid: int) -> torch.Tensor:
+    """Candidate scales [grid, channels] for the ratios 0, 1/grid, ..., (grid-1)/grid."""
+    ratios = torch.arange(grid, dtype=x_mean.dtype, device=x_mean.device)[:, None] / grid
+    scales = x_mean[None].pow(ratios)
+    if w_mean is not None:  # duo scaling
+        scales = scales / (w_mean[None].pow(1 - ratios) + SCALE_FLOOR)
+    scales = scales.clamp(min=SCALE_FLOOR)
+    scales = scales / (scales.amax(1, keepdim=True) * scales.amin(1, keepdim=True)).sqrt()
+    return torch.where(torch.isfinite(scales), scales, torch.ones_like(scales))
+
+
+def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """Per input channel: the mean over all output rows of |W| divided by its group's max |w|."""
+    total, rows = None, 0
+    for weight in weights:
+        out_features, in_features = weight.shape
+        group = check_group_size(in_features, group_size)
+        grouped = weight.to(_wide(weight.dtype)).abs().reshape(out_features, -1, group)
+        normalised = grouped / (grouped.amax(-1, keepdim=True) + WEIGHT_EPS)
+        column_sum = normalised.reshape(out_features, in_features).sum(0)
+        total = column_sum if total is None else total + column_sum
+        rows += out_features
+    return total / rows
+
+
+def scaled_fake_quant(weight: torch.Tensor, scales: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    """Q(W s) / s in W's dtype: what the linear computes once s is folded into it and it is quantized."""
+    wide = _wide(weight.dtype)
+    scaled = (weight.to(wide) * scales).to(weight.dtype)  # as fold_scales stores it
+    deq = rtn_quantize(scaled, config.bits, config.group_size, config.sym, config.mse).dequantize(wide)
+    return (deq / scales).to(weight.dtype)
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+@dataclass
+class _GroupData:
+    """One capture pass for a scaling group: x̄'s sum, and what its loss needs."""
+
+    abs_sum: torch.Tensor | None = None
+    tokens: int = 0
+    inputs: list[torch.Tensor] = field(default_factory=list)  # no inspected block: the linears' input
+    calls: list[tuple[tuple, dict]] = field(default_factory=list)  # the inspected block's call per batch
+    outputs: list[torch.Tensor] = field(default_factory=list)  # its unquantized output, real tokens
+
+
+def _capture(ctx: LayerContext, group: ScalingGroup) -> _GroupData:
+    data = _GroupData()
+
+    def on_linear(_m, args, _out) -> None:
+        x = ctx.real_tokens(args[0])
+        column_sum = x.abs().sum(0, dtype=_wide(x.dtype))
+        data.abs_sum = column_sum if data.abs_sum is None else data.abs_sum + column_sum
+        data.tokens += x.shape[0]
+        if group.inspect is None:
+            data.inputs.append(x)
+
+    handles = [ctx.module(group.linears[0]).register_forward_hook(on_linear)]  # the group shares its input
+    if group.inspect is not None:
+        block = ctx.module(group.inspect)
+        handles.append(block.register_forward_pre_hook(
+            lambda _m, args, kwargs: data.calls.append((args, kwargs)), with_kwargs=True))
+        handles.append(block.register_forward_hook(
+            lambda _m, _args, out: data.outputs.append(ctx.real_tokens(_first(out)))))
+    try:
+        ctx.run_until([group.inspect or group.linears[0]])
+    finally:
+        for h in handles:
+            h.remove()
+    return data
+
+
+def _real_index(ctx: LayerContext) -> list[torch.Tensor]:
+    """Flat positions of each batch's real tokens: selecting by index needs no host sync per use."""
+    return [mask.reshape(-1).nonzero().squeeze(1) for mask in ctx.token_masks]
+
+
+def _block_error(block: nn.Module, data: _GroupData, index: list[torch.Tensor]) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64, device=index[0].device)
+    for (args, kwargs), reference, rows in zip(data.calls, data.outputs, index, strict=True):
+        out = _first(block(*args, **kwargs))
+        out = out.reshape(-1, out.shape[-1]).index_select(0, rows)
+        wide = _wide(out.dtype)
+        total += (out.to(wide) - reference.to(wide)).pow(2).sum()
+    return total
+
+
+def _linear_error(inputs: list[torch.Tensor], weights: list[torch.Tensor],
+                  trials: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared output errors X (W' - W)^T: the biases cancel, no reference output is kept."""
+    total = torch.zeros((), dtype=torch.float64, device=weights[0].device)
+    for weight, trial in zip(weights, trials, strict=True):
+        wide = _wide(weight.dtype)
+        delta = (trial.to(wide) - weight.to(wide)).to(weight.dtype)
+        for x in inputs:
+            total += (x @ delta.T).to(wide).pow(2).sum()
+    return total
+
+
+def _mean_squared_errors(ctx: LayerContext, group: ScalingGroup, data: _GroupData, candidates: torch.Tensor,
+                         config: QuantConfig) -> torch.Tensor:
+    """The group's output MSE for each candidate scale vector, the layer's weights restored after."""
+    linears = [ctx.module(n) for n in group.linears]
+    weights = [lin.weight.detach().clone() for lin in linears]
+    if group.inspect is None:
+        count = data.tokens * sum(w.shape[0] for w in weights)
+    else:
+        block, index = ctx.module(group.inspect), _real_index(ctx)
+        count = data.tokens * data.outputs[0].shape[-1]
+    errors = []
+    try:
+        for scales in candidates:
+            trials = [scaled_fake_quant(w, scales, config) for w in weights]
+            if group.inspect is None:
+                errors.append(_linear_error(data.inputs, weights, trials))
+                continue
+            for lin, trial in zip(linears, trials, strict=True):
+                lin.weight.copy_(trial)
+            errors.append(_block_error(block, data, index))
+    finally:
+        for lin, weight in zip(linears, weights, strict=True):
+            lin.weight.copy_(weight)
+    return torch.stack(errors).cpu() / count
+
+
+@dataclass
+class ScaleSearch:
+    """The outcome of one group's scale search; scales None = left at s = 1 (see `skipped`)."""
+
+    group: ScalingGroup
+    tokens: int
+    scales: torch.Tensor | None = None
+    ratio: float | None = None
+    losses: list[float] = field(default_factory=list)  # per grid ratio; NaN where non-finite
+    rtn_loss: float | None = None  # s = 1
+    skipped: str | None = None
+
+    def report(self) -> dict:
+        entry: dict = {"linears": list(self.group.linears), "tokens": self.tokens}
+        if self.skipped is not None:
+            entry["skipped"] = self.skipped
+        if self.losses:
+            finite = [loss for loss in self.losses if math.isfinite(loss)]
+            rtn = self.rtn_loss if self.rtn_loss is not None and math.isfinite(self.rtn_loss) else None
+            entry.update(ratio=self.ratio, loss_rtn=rtn, loss_awq=min(finite, default=None),
+                         nonfinite_losses=len(self.losses) - len(finite))  # JSON has no NaN
+        return entry
+
+
+@torch.no_grad()
+def search_scales(ctx: LayerContext, group: ScalingGroup, config: QuantConfig) -> ScaleSearch:
+    """AutoAWQ's _search_best_scale for one scaling group of ctx's layer; the layer is left as it was."""
+    data = _capture(ctx, group)
+    result = ScaleSearch(group, data.tokens)
+    if data.tokens == 0:
+        result.skipped = "no calibration tokens"
+        return result
+    x_mean = data.abs_sum / data.tokens  # fp32, or float64 for a float64 model
+    if not torch.isfinite(x_mean).all():
+        result.skipped = "non-finite activations"
+        return result
+    weights = [ctx.module(n).weight for n in group.linears]
+    w_mean = weight_mean(weights, config.group_size) if config.awq_duo_scaling else None
+    candidates = grid_scales(x_mean, w_mean, config.awq_grid)
+    if config.awq_duo_scaling:  # the grid does not contain s = 1: measure plain RTN on the side
+        with_unit = torch.cat([torch.ones_like(x_mean)[None], candidates])
+        losses = _mean_squared_errors(ctx, group, data, with_unit, config)
+        result.rtn_loss, grid_losses = float(losses[0]), losses[1:]
+    else:  # ratio 0 is s = 1
+        grid_losses = _mean_squared_errors(ctx, group, data, candidates, config)
+        result.rtn_loss = float(grid_losses[0])
+    result.losses = grid_losses.tolist()
+    finite = torch.isfinite(grid_losses)
+    if not finite.any():
+        result.skipped = "non-finite losses"
+        return result
+    best = int(torch.where(finite, grid_losses, torch.inf).argmin())
+    result.ratio, result.scales = best / config.awq_grid, candidates[best]
+    return result
+
+
+@dataclass
+class ClipSearch:
+    """Per (output channel, quantization group): the chosen max |w|, its shrink factor and errors."""
+
+    max_abs: torch.Tensor
+    shrink: torch.Tensor
+    error: torch.Tensor
+    unclipped_error: torch.Tensor
+
+    def report(self) -> dict:
+        unclipped = float(self.unclipped_error.sum())
+        return {
+            "shrunk_groups": float((self.shrink < 1).float().mean()),
+            "mean_shrink": float(self.shrink.float().mean()),
+            "error_ratio": float(self.error.sum()) / unclipped if unclipped > 0 else 1.0,
+        }
+
+
+def _clamp(grouped: torch.Tensor, max_abs: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(grouped, -max_abs[..., None], max_abs[..., None])
+
+
+def _group_outputs(x_grouped: torch.Tensor, w_grouped: torch.Tensor) -> torch.Tensor:
+    """x [groups, tokens, size], w [rows, groups, size] -> partial outputs [groups, tokens, rows]."""
+    return torch.bmm(x_grouped, w_grouped.permute(1, 2, 0))
+
+
+@torch.no_grad()
+def search_clip(weight: torch.Tensor, x: torch.Tensor, config: QuantConfig) -> ClipSearch:
+    """AutoAWQ's _compute_best_clip: per group, the shrunk max minimising the mean squared partial output
+    error over the tokens of x, in output-channel batches (the search is independent per row)."""
+    out_features, in_features = weight.shape
+    group = check_group_size(in_features, config.group_size)
+    n_groups, wide = in_features // group, _wide(weight.dtype)
+    x_grouped = x.to(wide).reshape(-1, n_groups, group).transpose(0, 1)
+    batch = max(1, CLIP_ELEMENTS // (x.shape[0] * n_groups + 4 * in_features))
+    parts: list[tuple[torch.Tensor, ...]] = []
+    for start in range(0, out_features, batch):
+        w = weight[start:start + batch].to(wide).reshape(-1, n_groups, group)
+        reference = _group_outputs(x_grouped, w)
+        amax = w.abs().amax(-1)
+        best_err = torch.full_like(amax, torch.inf)
+        best_shrink = torch.ones_like(amax)
+        for step in range(CLIP_STEPS):
+            shrink = 1 - step / CLIP_GRID
+            clipped = _clamp(w, amax * shrink).to(weight.dtype).reshape(-1, in_features)
+            deq = rtn_quantize(clipped, config.bits, group, config.sym, config.mse).dequantize(wide)
+            diff = _group_outputs(x_grouped, deq.reshape(w.shape)) - reference
+            err = diff.pow(2).mean(1).T  # [rows, groups]
+            if step == 0:
+                unclipped = err
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_shrink = torch.where(better, torch.full_like(best_shrink, shrink), best_shrink)
+        parts.append((amax * best_shrink, best_shrink, best_err, unclipped))
+    max_abs, shrink, error, unclipped_error = (torch.cat(p) for p in zip(*parts, strict=True))
+    return ClipSearch(max_abs, shrink, error, unclipped_error)
+
+
+@torch.no_grad()
+def apply_clip(linear: nn.Linear, max_abs: torch.Tensor) -> None:
+    """Clamp each quantization group of the weight to [-max, max], exactly as search_clip evaluated it."""
+    weight = linear.weight
+    grouped = weight.to(_wide(weight.dtype)).reshape(weight.shape[0], max_abs.shape[1], -1)
+    weight.copy_(_clamp(grouped, max_abs).reshape(weight.shape))
+
+
+def clip_targets(ctx: LayerContext) -> list[str]:
+    modules = dict(ctx.layer.named_modules())
+    return [n for n in ctx.adapter.linear_names()
+            if isinstance(modules.get(n), nn.Linear) and n.rsplit(".", 1)[-1] not in UNCLIPPED]
+
+
+def _sample_inputs(ctx: LayerContext, names: list[str]) -> dict[str, torch.Tensor]:
+    """Every stride-th real token entering each named linear, stride = tokens // CLIP_TOKENS (AutoAWQ)."""
+    stride = max(1, sum(int(m.sum()) for m in ctx.token_masks) // CLIP_TOKENS)
+    samples: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    seen = dict.fromkeys(names, 0)
+
+    def keep(name: str, x: torch.Tensor) -> None:
+        rows = ctx.real_tokens(x)
+        samples[name].append(rows[(-seen[name]) % stride::stride].clone())
+        seen[name] += rows.shape[0]
+
+    handles = [ctx.module(n).register_forward_hook(lambda _m, args, _o, n=n: keep(n, args[0])) for n in names]
+    try:
+        ctx.run_until(names)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: torch.cat(rows) for n, rows in samples.items()}
+
+
+def clip_layer(ctx: LayerContext, config: QuantConfig) -> dict:
+    """Search and apply the clipping of every linear but q/k, on inputs after the scales were folded."""
+    names = clip_targets(ctx)
+    report = {}
+    for name, x in _sample_inputs(ctx, names).items():
+        reason = "no calibration tokens" if x.shape[0] == 0 else None
+        if reason is None and not torch.isfinite(x).all():
+            reason = "non-finite activations"
+        if reason is not None:
+            report[name] = {"skipped": reason}
+            log.warning("layer %d %s: AWQ clip skipped (%s)", ctx.index, name, reason)
+            continue
+        linear = ctx.module(name)
+        result = search_clip(linear.weight, x, config)
+        apply_clip(linear, result.max_abs)
+        report[name] = result.report()
+    return report
+
+
+@register
+class AWQ(Method):
+    name = "awq"
+    needs_activations = False  # every statistic is used in smooth_layer; the linears get plain RTN
+
+    def __init__(self, config: QuantConfig) -> None:
+        if config.awq_grid < 1:
+            raise QuantizationError(f"awq_grid must be at least 1 (ratios searched), got {config.awq_grid}")
+        super().__init__(config)
+
+    def linear_quantizer(self, linear: nn.Linear) -> LinearQuantizer:
+        return RTNQuantizer(linear, self.config)
+
+    def smooth_layer(self, ctx: LayerContext) -> dict:
+        try:
+            return self._smooth(ctx)
+        except QuantizationError as err:
+            raise QuantizationError(f"layer {ctx.index}: AWQ: {err}") from err
+
+    def _smooth(self, ctx: LayerContext) -> dict:
+        scales, skipped = {}, 0
+        for group in active_scaling_groups(ctx.layer, ctx.adapter):
+            result = search_scales(ctx, group, self.config)
+            if result.scales is None:
+                skipped += 1
+                log.warning("layer %d %s: AWQ scale left at 1 (%s)", ctx.index, group.prev, result.skipped)
+            else:
+                fold_scales(ctx.layer, ctx.adapter, group, result.scales)
+            scales[group.prev] = result.report()
+        report: dict = {"scales": scales, "skipped_groups": skipped}
+        if self.config.awq_clip:
+            report["clip"] = clip_layer(ctx, self.config)
+        return report
