@@ -26,6 +26,15 @@ def _smollm2() -> Path | None:
         return None
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """Tiny matrices: on a busy 2-core runner, intra-op threads only add spin-wait time."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     path = _smollm2()

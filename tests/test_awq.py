@@ -24,13 +24,7 @@ from quantkit.smoothing import active_scaling_groups
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny matrices: on a busy 2-core runner, intra-op threads only add spin-wait time."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def outlier_model(kind: str, dtype: torch.dtype = torch.float32) -> nn.Module:

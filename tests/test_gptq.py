@@ -16,14 +16,7 @@ from quantkit.quantizers.base import get_method
 from quantkit.quantizers.gptq import GPTQQuantizer, gptq_quantize
 from quantkit.quantizers.rtn import find_qparams, rtn_quantize
 
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """These matrices are tiny: on a busy 2-core runner, intra-op threads only add spin-wait time."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def make_layer(in_features: int, out_features: int, seed: int) -> nn.Linear:

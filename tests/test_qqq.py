@@ -26,14 +26,7 @@ from quantkit.quantizers.gptq import gptq_quantize
 from quantkit.quantizers.qqq import PerChannelGrid, QQQQuantizer, SmoothingProbe, search_smoothing
 from quantkit.reload import load_quantized
 
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny tensors: on a busy 2-core runner, intra-op threads only add spin-wait time."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def with_outliers(model: nn.Module) -> nn.Module:
