@@ -242,7 +242,7 @@ def markdown(meta: dict, results: list[dict]) -> str:
 GEMV_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 3), (128, 128, 4, 3),
               (128, 256, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (256, 64, 4, 3), (256, 128, 4, 3),
               (256, 64, 8, 3), (256, 128, 8, 3)]  # (BLOCK_N, BLOCK_K, warps, stages)
-SMALL_MS = (1, 4, 16, 64)
+SMALL_MS = (1, 4, 16, 64, 256)
 
 
 def gemv_sweep_configs(m: int, n: int, k: int, group: int) -> list[dict]:
@@ -299,16 +299,20 @@ def _resources(cfg: dict, seen: dict, compiles_before: int) -> dict:
 
 
 def check_odd_shapes(log) -> int:
-    """Every gemv sweep config vs float64 on small odd layers (bias, asym, bf16, g32, per-channel)."""
+    """A spread of gemv sweep configs and the sliced gemm vs float64 on small odd layers (bias, asym, bf16, g32,
+    per-channel)."""
+    from quantkit.kernels.autotune import candidates
+
     failures = 0
     for k, n, group, dtype, sym in ((768, 776, 128, torch.float16, True), (2048, 200, 32, torch.bfloat16, False),
                                     (1024, 96, -1, torch.float16, False)):
         layer = random_layer(k, n, group, "w4a16", dtype, sym, bias=True)
         tol = 2e-3 if dtype == torch.float16 else 1.2e-2
-        for m in (1, 3, 5):
+        for m in (1, 3, 5, 40):
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = reference(layer, x)
-            for cfg in gemv_sweep_configs(m, n, k, layer.group_size)[::14]:  # a spread: each is a compile
+            sliced = [c for c in candidates("w4a16", m, n, k, layer.group_size) if c["kernel"] == "gemm_sliced"]
+            for cfg in gemv_sweep_configs(m, n, k, layer.group_size)[::14] + sliced[:3]:  # each is a compile
                 err = _rel_err(_poisoned_run(layer, x, cfg), ref)
                 if not err < tol:
                     failures += 1
@@ -318,8 +322,9 @@ def check_odd_shapes(log) -> int:
 
 
 def sweep_small_m(log, out: Path, budget_s: float) -> int:
-    """Correctness (float64, NaN-poisoned outputs) and timing of every gemv config for M in SMALL_MS on
-    every benchmark shape (g128 sym fp16), next to cuBLAS and the current gemm default; best per cell."""
+    """Correctness (float64, NaN-poisoned outputs) and timing, for M in SMALL_MS on every benchmark shape
+    (g128 sym fp16), of every tiled candidate (gemm, gemm_sliced) and, within the budget, every gemv config,
+    next to cuBLAS; best per cell."""
     from quantkit.kernels.autotune import candidates
 
     t_start, failures, rows, seen = time.time(), check_odd_shapes(log), [], {}
@@ -336,10 +341,10 @@ def sweep_small_m(log, out: Path, budget_s: float) -> int:
             layers = [random_layer(k, n, 128, "w4a16") for _ in range(copies_for(q_bytes))]
             xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
             ref = reference(layers[0], xs[0])
-            gemm_default = next(c for c in candidates("w4a16", m, n, k, 128) if c["kernel"] != "gemv")
-            configs = [gemm_default] + (gemv_sweep_configs(m, n, k, 128) if m <= 4 else [])
+            tiled = [c for c in candidates("w4a16", m, n, k, 128) if c["kernel"] != "gemv"]
+            configs = tiled + (gemv_sweep_configs(m, n, k, 128) if m <= 4 else [])
             for cfg in configs:
-                if time.time() - t_start > budget_s and cfg is not gemm_default:
+                if time.time() - t_start > budget_s and cfg["kernel"] == "gemv":
                     break
                 compiles_before = len(_gemv_compiles())
                 err = _rel_err(_poisoned_run(layers[0], xs[0], cfg), ref)
@@ -364,8 +369,9 @@ def sweep_small_m(log, out: Path, budget_s: float) -> int:
     for r in best.values():
         c = r["config"]
         lines.append(f"| {r['shape']} | {r['M']} | {r['t_cublas_us']:.1f} | {r['t_us']:.1f} | {r['speedup']:.2f} | "
-                     f"{r['GBps']:.0f} | {r.get('regs')} | {r.get('spills')} | {c['kernel']} BN{c['BLOCK_N']} "
-                     f"BK{c['BLOCK_K']} S{c['SPLIT_K']} w{c['num_warps']} s{c['num_stages']} |")
+                     f"{r['GBps']:.0f} | {r.get('regs')} | {r.get('spills')} | {c['kernel']} BM{c.get('BLOCK_M')} "
+                     f"BN{c.get('BLOCK_N')} BK{c.get('BLOCK_K')} S{c.get('SPLIT_K')} w{c.get('num_warps')} "
+                     f"s{c.get('num_stages')} |")
     (out / "sweep_small_m.md").write_text("\n".join(lines) + "\n")
     log(f"correctness failures: {failures}")
     print("\n".join(lines))
@@ -380,7 +386,7 @@ def main() -> int:
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--ms", type=int, nargs="+", default=list(MS))
     parser.add_argument("--sweep-small-m", action="store_true",
-                        help="only check and time every gemv config for M in 1, 4, 16, 64 (w4a16 g128)")
+                        help="only check and time every small-M config for M in 1..256 (w4a16 g128)")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop the sweep's gemv timings after this")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -75,12 +75,16 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
     else:
         tiles = [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
                  (64, 256, 64, 8, 4)]
-    for bm, bn, bk, warps, stages in tiles:
-        bk = max(bk, bk_min)
-        cfg = _tile("gemm", bm, bn, bk, warps, stages, m, n, k)
-        out.append(cfg)
-        if cfg["SPLIT_K"] > 1:  # the heuristic split and one half as deep
-            out.append({**cfg, "SPLIT_K": cfg["SPLIT_K"] // 2})
+    sliced_bk_min = 8 * (16 if scheme == "w4a16" else 32)  # each nibble slice is one dot of K = BLOCK_K / 8
+    for kernel in ("gemm", "gemm_sliced"):
+        for bm, bn, bk, warps, stages in tiles:
+            bk = max(bk, bk_min if kernel == "gemm" else sliced_bk_min)
+            cfg = _tile(kernel, bm, bn, bk, warps, stages, m, n, k)
+            if cfg in out:
+                continue
+            out.append(cfg)
+            if cfg["SPLIT_K"] > 1:  # the heuristic split and one half as deep
+                out.append({**cfg, "SPLIT_K": cfg["SPLIT_K"] // 2})
     if scheme == "w4a16" and b <= 4:  # FMA gemv, one program per x row: the default for a single token
         gemv = [_gemv(n, k, bn, bk, warps) for bn, bk, warps in
                 ((128, 128, 4), (64, 256, 4), (128, 256, 8), (256, 64, 8), (64, 128, 4))]

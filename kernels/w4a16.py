@@ -84,10 +84,43 @@ def _store_output(acc, out_ptr, part_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k,
 
 
 @triton.jit
+def _codes_minus_zero(words, z, j: tl.constexpr, DTYPE: tl.constexpr):
+    """Nibble j of every word as the exact value q - z in DTYPE (fp16 or bf16), no int->float conversion:
+    OR-ing q into the mantissa of 1024 (fp16) or 2**23 (fp32, then rounded to bf16) adds it exactly."""
+    codes = (words >> (4 * j)) & 0xF
+    if DTYPE == tl.float16:
+        return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024.0).to(tl.float16)
+    return ((codes | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC_F32 + z)).to(DTYPE)
+
+
+@triton.jit
+def _sliced_tile(x_ptr, words, s, z, offs_m, m_mask, k0, K, ROWS: tl.constexpr, SCALE_AFTER: tl.constexpr,
+                 UPCAST_DOT: tl.constexpr):
+    """x [:, k0:k0+8*ROWS] @ W for one K tile, as 8 dots of K = ROWS: nibble j of word row r is input
+    k0 + 8r + j, so slice j of the weight is [ROWS, BN] in the words' own layout and its x operand a stride-8
+    column load. No [R, 8, BN] -> [8R, BN] reshape (a shared-memory layout conversion per tile).
+    SCALE_AFTER (one group spans the tile): the dots see the exact integers q - z and the [1, BN] scale
+    multiplies their fp32 sum once; else the per-row scale is applied to each slice (rounded once)."""
+    rows = tl.arange(0, ROWS)
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((offs_m.shape[0], words.shape[1]), dtype=tl.float32)
+    for j in tl.static_range(8):
+        x = tl.load(x_ptr + offs_m[:, None] * K + (k0 + 8 * rows + j)[None, :], mask=m_mask[:, None], other=0.0)
+        w = _codes_minus_zero(words, z, j, dtype)
+        if not SCALE_AFTER:
+            w = (w.to(tl.float32) * s).to(dtype)
+        if UPCAST_DOT:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    return acc * s if SCALE_AFTER else acc
+
+
+@triton.jit
 def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, M, N, K,
                        GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                       SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SLICED: tl.constexpr):
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
     # M-blocks of one weight tile are neighbours in launch order, so the weight comes from DRAM once.
@@ -99,16 +132,21 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0 = t * BLOCK_K
-        x = tl.load(x_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :],
-                    mask=m_mask[:, None], other=0.0)
         words = tl.load(qw_ptr + (k0 // 8 + tl.arange(0, ROWS))[:, None] * N + offs_n[None, :],
                         mask=n_mask[None, :], other=0)
-        s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
-        w = dequant_tile(words, s, z, x_ptr.dtype.element_ty)
-        if UPCAST_DOT:
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        if SLICED:
+            s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS,
+                               BLOCK_K > GROUP)
+            acc += _sliced_tile(x_ptr, words, s, z, offs_m, m_mask, k0, K, ROWS, BLOCK_K <= GROUP, UPCAST_DOT)
         else:
-            acc = tl.dot(x, w, acc)
+            x = tl.load(x_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :],
+                        mask=m_mask[:, None], other=0.0)
+            s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
+            w = dequant_tile(words, s, z, x_ptr.dtype.element_ty)
+            if UPCAST_DOT:
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
     _store_output(acc, out_ptr, part_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, SPLIT_K, HAS_BIAS)
 
 
@@ -217,5 +255,6 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split)
         # Triton's CPU interpreter gets bf16 tl.dot wrong (3.9): there, and only there, multiply in fp32.
         upcast = x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-        _w4a16_gemm_kernel[grid](*args, BLOCK_M=config["BLOCK_M"], SPLIT_K=split, UPCAST_DOT=upcast, **flags)
+        _w4a16_gemm_kernel[grid](*args, BLOCK_M=config["BLOCK_M"], SPLIT_K=split, UPCAST_DOT=upcast,
+                                 SLICED=config["kernel"] == "gemm_sliced", **flags)
     return splitk_reduce(part, bias, out) if split > 1 else out

@@ -76,10 +76,20 @@ def _int8_tile(words, s, z, TWO_LEVEL: tl.constexpr):
 
 
 @triton.jit
+def _int8_slice(words, s, z, j: tl.constexpr, TWO_LEVEL: tl.constexpr):
+    """Nibble j of every word [R, BN] as int8: the raw code, or QQQ's rne((q - z) * group_scale)."""
+    codes = (words >> (4 * j)) & 0xF
+    if TWO_LEVEL:
+        q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC_F32 + z)
+        return ((q * s + ROUND_F32) - ROUND_F32).to(tl.int8)
+    return codes.to(tl.int8)
+
+
+@triton.jit
 def _w4a8_gemm_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
                       M, N, K, GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SLICED: tl.constexpr):
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
     pid_m, pid_n = pid % grid_m, pid // grid_m
@@ -87,18 +97,24 @@ def _w4a8_gemm_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, b
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     ROWS: tl.constexpr = BLOCK_K // 8
+    rows = tl.arange(0, ROWS)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0 = t * BLOCK_K
-        x = tl.load(xq_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :],
-                    mask=m_mask[:, None], other=0)
-        words = tl.load(qw_ptr + (k0 // 8 + tl.arange(0, ROWS))[:, None] * N + offs_n[None, :],
-                        mask=n_mask[None, :], other=0)
+        words = tl.load(qw_ptr + (k0 // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
         if TWO_LEVEL:
-            s, z = _group_rows(gs_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
+            s, z = _group_rows(gs_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS, SLICED)
         else:
             s, z = 1.0, 0.0
-        acc = tl.dot(x, _int8_tile(words, s, z, TWO_LEVEL), acc, out_dtype=tl.int32)
+        if SLICED:  # 8 dots of K = ROWS on nibble slices (see w4a16's _sliced_tile): no reshape per tile
+            for j in tl.static_range(8):
+                x = tl.load(xq_ptr + offs_m[:, None] * K + (k0 + 8 * rows + j)[None, :], mask=m_mask[:, None],
+                            other=0)
+                acc = tl.dot(x, _int8_slice(words, s, z, j, TWO_LEVEL), acc, out_dtype=tl.int32)
+        else:
+            x = tl.load(xq_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :],
+                        mask=m_mask[:, None], other=0)
+            acc = tl.dot(x, _int8_tile(words, s, z, TWO_LEVEL), acc, out_dtype=tl.int32)
     if not TWO_LEVEL:  # zero point: sum_k x (q - z) = acc - z * sum_k x, once (split 0) per output
         if HAS_ZEROS:
             z = tl.load(z_ptr + offs_n, mask=n_mask, other=0).to(tl.int32)
@@ -185,5 +201,5 @@ def w4a8_matmul(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Te
         zeros if zeros is not None else qweight, bias if bias is not None else channel_scales, out, part, m, n, k,
         GROUP=group_size, TWO_LEVEL=group_scales is not None, HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
-        BLOCK_K=config["BLOCK_K"], SPLIT_K=split, num_warps=config["num_warps"], num_stages=config["num_stages"])
+        BLOCK_K=config["BLOCK_K"], SPLIT_K=split, SLICED=config["kernel"] == "gemm_sliced", num_warps=config["num_warps"], num_stages=config["num_stages"])
     return splitk_reduce(part, bias, out) if split > 1 else out

@@ -79,7 +79,8 @@ def test_every_path_matches_float64(dtype, group, sym):
     layer = random_layer(256, 40, group, dtype, sym, seed=group + 7 * sym)  # N=40: a partial N tile
     for m, config in [(1, GEMV), (3, {**GEMV, "SPLIT_K": 2, "BLOCK_K": 128}), (2, GEMM),
                       (5, {**GEMM, "BLOCK_K": 64, "SPLIT_K": 3}), (19, {**GEMM, "BLOCK_N": 64}),
-                      (4, dict(kernel="dequant_mm"))]:
+                      (4, dict(kernel="dequant_mm")), (3, {**GEMM, "kernel": "gemm_sliced", "BLOCK_K": 128}),
+                      (17, {**GEMM, "kernel": "gemm_sliced", "BLOCK_K": 256, "SPLIT_K": 2})]:
         check(layer, m, config)
 
 
