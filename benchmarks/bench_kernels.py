@@ -71,19 +71,25 @@ def reference(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return out if layer.bias is None else out + layer.bias.double()
 
 
-def run_config(layer: QuantLinear, x: torch.Tensor, cfg: dict) -> torch.Tensor:
-    """One explicit config (bypassing the tuner), with the buffers make_kernel_forward would pass."""
+def config_runner(layer: QuantLinear):
+    """run(x, cfg): one explicit config (bypassing the tuner) with the buffers make_kernel_forward would pass,
+    prepared here once, so run() has no host sync and can be captured in a CUDA graph."""
     from quantkit.kernels.w4a8 import w4a8_matmul
     from quantkit.kernels.w4a16 import w4a16_matmul
 
     zeros = None if bool((layer.zeros == 8).all()) else layer.zeros
     if layer.act_bits == 16:
-        return w4a16_matmul(x, layer.qweight, layer.scales, zeros, layer.bias, layer.group_size, cfg)
+        return lambda x, cfg: w4a16_matmul(x, layer.qweight, layer.scales, zeros, layer.bias, layer.group_size, cfg)
     two = layer.channel_scales is not None
     channel = layer.channel_scales if two else layer.scales[0].float()
     zeros = zeros if two or zeros is None else zeros[0].contiguous()
-    return w4a8_matmul(x, layer.qweight, channel, layer.scales if two else None, zeros, layer.bias,
-                       layer.group_size, cfg)
+    group_scales = layer.scales if two else None
+    return lambda x, cfg: w4a8_matmul(x, layer.qweight, channel, group_scales, zeros, layer.bias,
+                                      layer.group_size, cfg)
+
+
+def run_config(layer: QuantLinear, x: torch.Tensor, cfg: dict) -> torch.Tensor:
+    return config_runner(layer)(x, cfg)
 
 
 def check_correctness(log, schemes: list[str]) -> int:
@@ -321,60 +327,73 @@ def check_odd_shapes(log) -> int:
     return failures
 
 
-def sweep_small_m(log, out: Path, budget_s: float) -> int:
+def sweep_small_m(log, out: Path, budget_s: float, schemes: list[str]) -> int:
     """Correctness (float64, NaN-poisoned outputs) and timing, for M in SMALL_MS on every benchmark shape
-    (g128 sym fp16), of every tiled candidate (gemm, gemm_sliced) and, within the budget, every gemv config,
-    next to cuBLAS; best per cell."""
+    (g128 sym fp16; W4A8 two-level), of every tiled candidate (gemm, gemm_sliced, dequant_mm / int_mm) and,
+    within the budget, every W4A16 gemv config, next to cuBLAS; the best of each kernel kind per cell."""
     from quantkit.kernels.autotune import candidates
 
     t_start, failures, rows, seen = time.time(), check_odd_shapes(log), [], {}
-    for m in SMALL_MS:
-        for shape, (k, n) in SHAPES.items():
-            q_bytes = k * n // 2 + 2 * n * (k // 128) + 2 * (m * k + m * n)
-            fp16_bytes = 2 * (k * n + m * k + m * n)
-            base_calls = []
-            for _ in range(copies_for(fp16_bytes)):
-                w, x = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02, torch.randn(m, k, device="cuda", dtype=DTYPE)
-                base_calls.append(lambda w=w, x=x: F.linear(x, w))
-            t_base = graph_time(base_calls)
-            del base_calls, w
-            layers = [random_layer(k, n, 128, "w4a16") for _ in range(copies_for(q_bytes))]
-            xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
-            ref = reference(layers[0], xs[0])
-            tiled = [c for c in candidates("w4a16", m, n, k, 128) if c["kernel"] != "gemv"]
-            configs = tiled + (gemv_sweep_configs(m, n, k, 128) if m <= 4 else [])
-            for cfg in configs:
-                if time.time() - t_start > budget_s and cfg["kernel"] == "gemv":
-                    break
-                compiles_before = len(_gemv_compiles())
-                err = _rel_err(_poisoned_run(layers[0], xs[0], cfg), ref)
-                res = _resources(cfg, seen, compiles_before) if cfg["kernel"] == "gemv" else {}
-                if not err < 2e-3:
-                    failures += 1
-                    log(f"FAIL {shape} M={m} {cfg}: rel err {err:.2e}")
-                    continue
-                t = graph_time([lambda la=la, x=x, c=cfg: run_config(la, x, c) for la, x in zip(layers, xs, strict=True)])
-                rows.append(dict(shape=shape, K=k, N=n, M=m, config=cfg, rel_err=err, t_us=t * 1e6,
-                                 t_cublas_us=t_base * 1e6, speedup=t_base / t, GBps=q_bytes / t / 1e9, **res))
-            del layers, xs, ref
-            torch.cuda.empty_cache()
-            log(f"swept {shape} M={m} [{time.time() - t_start:.0f}s]")
-            (out / "sweep_small_m.json").write_text(json.dumps(rows, indent=1))
-    best = {}
+    for scheme in schemes:
+        for m in SMALL_MS:
+            for shape, (k, n) in SHAPES.items():
+                failures += _sweep_cell(log, scheme, shape, k, n, m, t_start, budget_s, rows, seen, candidates)
+                (out / "sweep_small_m.json").write_text(json.dumps(rows, indent=1))
+    best: dict[tuple, dict] = {}
     for r in rows:
-        key = (r["shape"], r["M"])
-        if key not in best or r["t_us"] < best[key]["t_us"]:
-            best[key] = r
-    lines = ["| shape | M | cuBLAS us | kernel us | speedup | GB/s | regs | spills | best config |", "|---" * 9 + "|"]
-    for r in best.values():
+        for key in ((r["scheme"], r["shape"], r["M"], "best"), (r["scheme"], r["shape"], r["M"], r["config"]["kernel"])):
+            if key not in best or r["t_us"] < best[key]["t_us"]:
+                best[key] = r
+    lines = ["| scheme | shape | M | kind | cuBLAS us | kernel us | speedup | GB/s | regs | spills | config |",
+             "|---" * 11 + "|"]
+    for (scheme, shape, m, kind), r in best.items():
         c = r["config"]
-        lines.append(f"| {r['shape']} | {r['M']} | {r['t_cublas_us']:.1f} | {r['t_us']:.1f} | {r['speedup']:.2f} | "
-                     f"{r['GBps']:.0f} | {r.get('regs')} | {r.get('spills')} | {c['kernel']} BM{c.get('BLOCK_M')} "
-                     f"BN{c.get('BLOCK_N')} BK{c.get('BLOCK_K')} S{c.get('SPLIT_K')} w{c.get('num_warps')} "
-                     f"s{c.get('num_stages')} |")
+        lines.append(f"| {scheme} | {shape} | {m} | {kind} | {r['t_cublas_us']:.1f} | {r['t_us']:.1f} | "
+                     f"{r['speedup']:.2f} | {r['GBps']:.0f} | {r.get('regs')} | {r.get('spills')} | "
+                     f"{c['kernel']} BM{c.get('BLOCK_M')} BN{c.get('BLOCK_N')} BK{c.get('BLOCK_K')} "
+                     f"S{c.get('SPLIT_K')} w{c.get('num_warps')} s{c.get('num_stages')} |")
     (out / "sweep_small_m.md").write_text("\n".join(lines) + "\n")
     log(f"correctness failures: {failures}")
-    print("\n".join(lines))
+    print("\n".join(line for line in lines if "| best |" in line))
+    return failures
+
+
+def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: float, budget_s: float,
+                rows: list, seen: dict, candidates) -> int:
+    q_bytes = k * n // 2 + 2 * n * (k // 128) + 2 * (m * k + m * n)
+    fp16_bytes = 2 * (k * n + m * k + m * n)
+    base_calls = []
+    for _ in range(copies_for(fp16_bytes)):
+        w, x = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02, torch.randn(m, k, device="cuda", dtype=DTYPE)
+        base_calls.append(lambda w=w, x=x: F.linear(x, w))
+    t_base = graph_time(base_calls)
+    del base_calls, w
+    layers = [random_layer(k, n, 128, scheme) for _ in range(copies_for(q_bytes))]
+    xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
+    runners = [config_runner(la) for la in layers]
+    ref = reference(layers[0], xs[0])
+    tiled = [c for c in candidates(scheme, m, n, k, 128) if c["kernel"] != "gemv"]
+    configs = tiled + (gemv_sweep_configs(m, n, k, 128) if m <= 4 and scheme == "w4a16" else [])
+    failures = 0
+    for cfg in configs:
+        if time.time() - t_start > budget_s and cfg["kernel"] == "gemv":
+            break
+        compiles_before = len(_gemv_compiles())
+        err = _rel_err(_poisoned_run(layers[0], xs[0], cfg), ref)
+        res = _resources(cfg, seen, compiles_before) if cfg["kernel"] == "gemv" else {}
+        if not err < 2e-3:
+            failures += 1
+            log(f"FAIL {scheme} {shape} M={m} {cfg}: rel err {err:.2e}")
+            continue
+        t = graph_time([lambda r=r, x=x, c=cfg: r(x, c) for r, x in zip(runners, xs, strict=True)])
+        rows.append(dict(scheme=scheme, shape=shape, K=k, N=n, M=m, config=cfg, rel_err=err, t_us=t * 1e6,
+                         t_cublas_us=t_base * 1e6, speedup=t_base / t, GBps=q_bytes / t / 1e9, **res))
+    del layers, runners, xs, ref
+    torch.cuda.empty_cache()
+    cell = [r for r in rows if (r["scheme"], r["shape"], r["M"]) == (scheme, shape, m)]
+    top = min(cell, key=lambda r: r["t_us"]) if cell else None
+    log(f"swept {scheme} {shape} M={m} [{time.time() - t_start:.0f}s]: best "
+        + (f"{top['speedup']:.2f}x {top['config']}" if top else "none"))
     return failures
 
 
@@ -408,7 +427,7 @@ def main() -> int:
                 triton=triton.__version__)
     torch.manual_seed(0)
     if args.sweep_small_m:
-        return int(sweep_small_m(log, args.out, args.budget_s) > 0)
+        return int(sweep_small_m(log, args.out, args.budget_s, args.schemes) > 0)
     if args.check:
         t0 = time.time()
         failures = check_correctness(log, args.schemes)
