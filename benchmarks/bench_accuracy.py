@@ -4,7 +4,8 @@ same windows, same calibration seed.
     python benchmarks/bench_accuracy.py --out benchmarks/accuracy/smollm2.md \
         --runs rtn:64 gptq:64 rtn:-1 gptq:-1 awq:64 [gptq:64:a8 rtn:64:a8 qqq:-1:a8 qqq:64:a8]
 
-A run is METHOD:GROUP[:a8][:asym]. Calibration: the shipped English+Korean set, --nsamples x --seqlen.
+A run is METHOD:GROUP[:a8][:asym][:ao] (ao: GPTQ act-order; QQQ always uses it). Calibration: the shipped
+English+Korean set, --nsamples x --seqlen. --smooth-steps / --smooth-samples bound QQQ's search (CPU time).
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ from quantkit.eval.perplexity import perplexity
 from quantkit.models import get_adapter, load_model
 
 
-def parse_run(spec: str) -> QuantConfig:
+def parse_run(spec: str, smooth_steps: int | None = None, smooth_samples: int | None = None) -> QuantConfig:
     method, group, *flags = spec.split(":")
     return QuantConfig(method=method, group_size=int(group), sym="asym" not in flags,
-                       act_bits=8 if "a8" in flags else 16, act_order=method == "qqq").validate()
+                       act_bits=8 if "a8" in flags else 16, act_order=method == "qqq" or "ao" in flags,
+                       smooth_steps=smooth_steps, smooth_samples=smooth_samples).validate()
 
 
 def label(config: QuantConfig) -> str:
     group = "per-channel" if config.group_size == -1 else f"g{config.group_size}"
-    return f"{config.method} W{config.bits}A{config.act_bits} {group}{'' if config.sym else ' asym'}"
+    order = " act-order" if config.act_order and config.method == "gptq" else ""
+    return f"{config.method} W{config.bits}A{config.act_bits} {group}{'' if config.sym else ' asym'}{order}"
 
 
 def main() -> None:
@@ -44,6 +47,9 @@ def main() -> None:
     parser.add_argument("--nsamples", type=int, default=64)
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--windows", type=int, default=16, help="512-token windows per held-out text")
+    parser.add_argument("--smooth-steps", type=int, default=None, help="QQQ thresholds (default: reference rule)")
+    parser.add_argument("--smooth-samples", type=int, default=None, help="QQQ loss samples (default: all)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -56,17 +62,20 @@ def main() -> None:
 
     rows = [("fp32 (unquantized)", ppl(model), 0.0)]
     for spec in args.runs:
-        config = parse_run(spec)
+        config = parse_run(spec, args.smooth_steps, args.smooth_samples)
         quantized = copy.deepcopy(model)
         start = time.perf_counter()
-        quantize_model(quantized, get_adapter(quantized), calib, config, device="cpu", show_progress=False)
+        quantize_model(quantized, get_adapter(quantized), calib, config, device=args.device, show_progress=False)
         rows.append((label(config), ppl(quantized), time.perf_counter() - start))
         print(rows[-1], flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    command = "python benchmarks/bench_accuracy.py " + " ".join(
-        [f"--nsamples {args.nsamples} --seqlen {args.seqlen} --windows {args.windows} --runs"] + args.runs)
+    smooth = "".join(f" --{k.replace('_', '-')} {v}" for k, v in
+                     (("smooth_steps", args.smooth_steps), ("smooth_samples", args.smooth_samples)) if v is not None)
+    model_arg = f"--model {args.model} " if args.model else ""
+    command = "python benchmarks/bench_accuracy.py " + model_arg + " ".join(
+        [f"--nsamples {args.nsamples} --seqlen {args.seqlen} --windows {args.windows}{smooth} --runs"] + args.runs)
     lines = [f"# Held-out perplexity: {args.model or 'SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)'}", "",
-             f"- date: {date.today().isoformat()}; machine: CPU ({torch.get_num_threads()} threads); "
+             f"- date: {date.today().isoformat()}; machine: {args.device} ({torch.get_num_threads()} CPU threads); "
              f"commit: {commit}", f"- command: `{command}`",
              f"- calibration: shipped English+Korean set, {len(calib)} x {args.seqlen} tokens, seed 0; "
              f"evaluation: first {args.windows} windows of 512 tokens of calib_data/heldout_en.txt and heldout_ko.txt",

@@ -94,6 +94,10 @@ def quantize(
     chat_template: Annotated[bool, typer.Option(help="wrap calibration text in the chat template")] = False,
     damp: Annotated[float, typer.Option(help="GPTQ relative dampening")] = 0.01,
     mse: Annotated[bool, typer.Option("--mse", help="search clipped scales by MSE")] = False,
+    duo_scaling: Annotated[bool, typer.Option("--duo-scaling", help="AWQ: s = mean|x|^r / mean|w|^(1-r)")] = False,
+    clip: Annotated[bool, typer.Option("--clip/--no-clip", help="AWQ: search clipping ranges")] = True,
+    smooth_steps: Annotated[int | None, typer.Option(help="QQQ: thresholds searched (default max(100, max|x|/0.5))")] = None,
+    smooth_samples: Annotated[int | None, typer.Option(help="QQQ: calibration samples of the smoothing loss (default all)")] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="output folder")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing output folder")] = False,
     dtype: Annotated[str, typer.Option(help="checkpoint dtype: auto, float16, bfloat16")] = "auto",
@@ -114,7 +118,7 @@ def quantize(
 
 
 def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format, calib, nsamples, seqlen,
-              seed, chat_template, damp, mse, output, overwrite, dtype, device, batch_size, evaluate,
+              seed, chat_template, damp, mse, duo_scaling, clip, smooth_steps, smooth_samples, output, overwrite, dtype, device, batch_size, evaluate,
               eval_windows, trust_remote_code, allow_pickle, verbose) -> None:
     from quantkit.config import QuantConfig
     from quantkit.data import build_calibration_set, load_passages
@@ -135,7 +139,8 @@ def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format
     adapter = get_adapter(lm)
     config = QuantConfig(method=method, bits=bits, group_size=resolve_group_size(lm, adapter, group_size),
                          sym=not asym, act_order=act_order, act_bits=act_bits, damp_percent=damp,
-                         mse=mse).validate()
+                         mse=mse, awq_duo_scaling=duo_scaling, awq_clip=clip, smooth_steps=smooth_steps,
+                         smooth_samples=smooth_samples).validate()
     get_format(format.value).check(config)
     console.print(f"[bold]{lm.config.model_type}[/] {config.method} W{config.bits}A{config.act_bits} "
                   f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format.value}")

@@ -25,7 +25,8 @@ class QuantConfig:
     awq_duo_scaling: bool = False
     awq_grid: int = 20
     awq_clip: bool = True
-    smooth_steps: int = 100
+    smooth_steps: int | None = None  # QQQ thresholds; None: the reference's max(100, max|x| / 0.5)
+    smooth_samples: int | None = None  # QQQ: calibration sequences its smoothing loss runs on (None: all)
     # modules never quantized (matched as name suffixes); lm_head and embeddings never are
     ignore: list[str] = field(default_factory=list)
 
@@ -44,6 +45,10 @@ class QuantConfig:
             raise QuantizationError("W4A8 needs symmetric weights (drop --asym)")
         if not 0 < self.damp_percent < 1:
             raise QuantizationError(f"damp_percent must be in (0, 1), got {self.damp_percent}")
+        if self.smooth_steps is not None and self.smooth_steps < 1:
+            raise QuantizationError(f"smooth_steps must be at least 1, got {self.smooth_steps}")
+        if self.smooth_samples is not None and self.smooth_samples < 1:
+            raise QuantizationError(f"smooth_samples must be at least 1, got {self.smooth_samples}")
         return self
 
     def to_dict(self) -> dict:

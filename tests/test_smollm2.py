@@ -41,18 +41,48 @@ def _nll(model, tokenizer, texts) -> dict[str, float]:
     return {name: perplexity(model, tokenizer, text, 512, max_windows=WINDOWS)["nll"] for name, text in texts.items()}
 
 
+def _quantized(setup, config: QuantConfig, batch_size: int = 8):
+    """(mean NLL per held-out text, quantized copy of the model)."""
+    model, tokenizer, calib, texts = setup
+    quantized = copy.deepcopy(model)
+    quantize_model(quantized, get_adapter(quantized), calib, config, device="cpu", batch_size=batch_size,
+                   show_progress=False)
+    return _nll(quantized, tokenizer, texts), quantized
+
+
+def _mean(nll: dict[str, float]) -> float:
+    return sum(nll.values()) / len(nll)
+
+
 @pytest.fixture(scope="module")
 def results(setup):
     """Mean NLL on both held-out texts for fp and each (method, group), plus the quantized models."""
-    model, tokenizer, calib, texts = setup
+    model, tokenizer, _, texts = setup
     out = {"fp": (_nll(model, tokenizer, texts), model)}
     for method in ("rtn", "gptq"):
         for group in (64, -1):
-            quantized = copy.deepcopy(model)
-            quantize_model(quantized, get_adapter(quantized), calib, QuantConfig(method=method, group_size=group),
-                           device="cpu", show_progress=False)
-            out[(method, group)] = (_nll(quantized, tokenizer, texts), quantized)
+            out[(method, group)] = _quantized(setup, QuantConfig(method=method, group_size=group))
     return out
+
+
+@pytest.fixture(scope="module")
+def awq_results(setup):
+    """RTN and AWQ in AWQ's default scheme (asymmetric) with groups of 64."""
+    return {method: _quantized(setup, QuantConfig(method=method, group_size=64, sym=False))
+            for method in ("rtn", "awq")}
+
+
+# QQQ: 100 thresholds (the floor of the reference rule), loss on 2 of the 16 calibration sequences (batches of
+# 2): the full search is tens of minutes on 2 CPU cores
+W4A8_RUNS = {"rtn": {}, "gptq": {"act_order": True}, "qqq": {"smooth_samples": 2, "smooth_steps": 100}}
+
+
+@pytest.fixture(scope="module")
+def w4a8_results(setup):
+    """W4A8 (per-token int8 activations) RTN, GPTQ and QQQ (smoothing + GPTQ), per channel and g64."""
+    return {("w4a8", method, group): _quantized(
+        setup, QuantConfig(method=method, group_size=group, act_bits=8, **extra), 2 if method == "qqq" else 8)
+        for method, extra in W4A8_RUNS.items() for group in (-1, 64)}
 
 
 @pytest.mark.parametrize("group", [64, -1])
@@ -64,8 +94,21 @@ def test_gptq_costs_less_perplexity_than_rtn(results, group: int) -> None:
     """
     fp = results["fp"][0]
     rtn, gptq = results[("rtn", group)][0], results[("gptq", group)][0]
-    mean = lambda nll: sum(nll.values()) / len(nll)  # noqa: E731
-    assert mean(gptq) - mean(fp) < mean(rtn) - mean(fp), (fp, rtn, gptq)
+    assert _mean(gptq) < _mean(rtn), (fp, rtn, gptq)
+
+
+def test_awq_costs_no_more_perplexity_than_rtn(results, awq_results) -> None:
+    fp, rtn, awq = results["fp"][0], awq_results["rtn"][0], awq_results["awq"][0]
+    assert _mean(awq) <= _mean(rtn), (fp, rtn, awq)
+    assert _mean(awq) - _mean(fp) < torch.log1p(torch.tensor(0.6)).item(), (fp, awq)
+
+
+@pytest.mark.parametrize("group", [-1, 64])
+def test_qqq_smoothing_beats_plain_w4a8(results, w4a8_results, group: int) -> None:
+    """W4A8 with QQQ's smoothing beats GPTQ + int8 activations without it, which beats RTN W4A8."""
+    fp = results["fp"][0]
+    rtn, gptq, qqq = (w4a8_results[("w4a8", method, group)][0] for method in ("rtn", "gptq", "qqq"))
+    assert _mean(qqq) < _mean(gptq) < _mean(rtn), (fp, rtn, gptq, qqq)
 
 
 @pytest.mark.parametrize("group,bound", [(64, 0.6), (-1, 1.5)])
@@ -77,29 +120,44 @@ def test_gptq_perplexity_increase_is_bounded(results, group: int, bound: float) 
         assert gptq[text] - fp[text] < torch.log1p(torch.tensor(bound)).item(), (text, fp[text], gptq[text])
 
 
+# export name: (quantized model, its config, format)
+EXPORTS = {
+    "gptq-ct": (("gptq", 64), QuantConfig(method="gptq", group_size=64), "compressed-tensors"),
+    "gptq-gptq": (("gptq", 64), QuantConfig(method="gptq", group_size=64), "gptq"),
+    "awq-awq": ("awq", QuantConfig(method="awq", group_size=64, sym=False), "awq"),
+    "awq-ct": ("awq", QuantConfig(method="awq", group_size=64, sym=False), "compressed-tensors"),
+    "qqq-ct": (("w4a8", "qqq", -1), QuantConfig(method="qqq", group_size=-1, act_bits=8), "compressed-tensors"),
+}
+
+
 @pytest.fixture(scope="module")
-def gptq_export(results, setup, tmp_path_factory):
+def quantized_models(results, awq_results, w4a8_results):
+    return {**{k: v[1] for k, v in results.items()}, **{k: v[1] for k, v in awq_results.items()},
+            **{k: v[1] for k, v in w4a8_results.items()}}
+
+
+@pytest.fixture(scope="module")
+def exports(quantized_models, setup, tmp_path_factory):
     _, tokenizer, _, _ = setup
-    model = results[("gptq", 64)][1]
     folder = tmp_path_factory.mktemp("smollm2")
-    config = QuantConfig(method="gptq", group_size=64)
-    return {fmt: export_checkpoint(model, tokenizer, folder / fmt, config, fmt, dtype="float16")
-            for fmt in ("compressed-tensors", "gptq")}
+    return {name: export_checkpoint(quantized_models[key], tokenizer, folder / name, config, fmt, dtype="float16")
+            for name, (key, config, fmt) in EXPORTS.items()}
 
 
-def test_reload_matches_the_in_memory_model(results, gptq_export, setup) -> None:
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_reload_matches_the_in_memory_model(quantized_models, exports, setup, name: str) -> None:
     _, tokenizer, calib, _ = setup
     ids = calib.input_ids[:2, :64]
-    reference = results[("gptq", 64)][1](ids).logits
-    for folder in gptq_export.values():
-        reloaded, _ = load_quantized(folder, dtype=torch.float32)
-        # embeddings and norms were written in fp16: tolerance of fp16 rounding through 30 layers
-        torch.testing.assert_close(reloaded(ids).logits, reference, atol=0.05, rtol=0.02)
+    reference = quantized_models[EXPORTS[name][0]](ids).logits
+    reloaded, _ = load_quantized(exports[name], dtype=torch.float32)
+    # embeddings and norms were written in fp16: tolerance of fp16 rounding through 30 layers
+    torch.testing.assert_close(reloaded(ids).logits, reference, atol=0.05, rtol=0.02)
 
 
-def test_transformers_loads_the_compressed_tensors_export(gptq_export, setup) -> None:
+@pytest.mark.parametrize("name", ["gptq-ct", "awq-ct", "qqq-ct"])
+def test_transformers_loads_the_compressed_tensors_export(exports, setup, name: str) -> None:
     _, _, calib, _ = setup
-    folder = gptq_export["compressed-tensors"]
+    folder = exports[name]
     ids = calib.input_ids[:2, :64]
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ours, _ = load_quantized(folder, dtype=torch.float32)
@@ -114,21 +172,25 @@ GREEDY_TOKENS = 12
 VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+@torch.no_grad()
 def greedy_with_quantkit(folder: Path, prompt_ids: list[list[int]]) -> list[list[int]]:
+    """Plain argmax decoding that, like vLLM's ignore_eos, neither stops at nor suppresses EOS."""
     model, _ = load_quantized(folder, dtype=torch.float32)
     out = []
     for ids in prompt_ids:
-        generated = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, do_sample=False)
-        out.append(generated[0, len(ids):].tolist())
+        tokens = torch.tensor([ids])
+        for _ in range(GREEDY_TOKENS):
+            tokens = torch.cat([tokens, model(tokens).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        out.append(tokens[0, len(ids):].tolist())
     return out
 
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run scripts/setup_vllm_venv.sh")
-@pytest.mark.parametrize("fmt", ["compressed-tensors", "gptq"])
-def test_vllm_greedy_tokens_match_quantkit(gptq_export, setup, tmp_path, fmt: str) -> None:
+@pytest.mark.parametrize("name", ["gptq-ct", "gptq-gptq", "awq-awq", "qqq-ct"])
+def test_vllm_greedy_tokens_match_quantkit(exports, setup, tmp_path, name: str) -> None:
     _, tokenizer, _, _ = setup
-    folder = gptq_export[fmt]
+    folder = exports[name]
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     (tmp_path / "prompts.json").write_text(json.dumps(prompt_ids))
     run = subprocess.run([str(VLLM_PYTHON), str(VLLM_RUNNER), str(folder), "--prompts-json",
@@ -138,7 +200,8 @@ def test_vllm_greedy_tokens_match_quantkit(gptq_export, setup, tmp_path, fmt: st
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "vllm.json").read_text())
-    assert result["quantization"] in ("compressed-tensors", "gptq", "gptq_marlin", "auto_gptq"), result["quantization"]
+    assert result["quantization"] in ("compressed-tensors", "gptq", "gptq_marlin", "auto_gptq", "awq", "awq_marlin"), \
+        result["quantization"]
     # the weights vLLM holds after its own loading and repacking are exactly quantkit's
     ours_model, _ = load_quantized(folder, dtype=torch.float32)
     dumped = load_file(tmp_path / "weights.safetensors")

@@ -4,7 +4,8 @@ arXiv:2406.09904): 4-bit weights and per-token dynamic int8 activations (W4A8), 
 1. Adaptive smoothing (reference: HandH1998/QQQ, QQQ/smooth/migration/migration_llama.py,
    Migrator1DRangeSearch). On each scaling group of quantkit.smoothing (norm -> q/k/v, v -> o,
    norm -> gate/up, up -> down) take per input channel j the max cmx_j and min cmn_j of the activations
-   over real tokens. For thresholds t from max|x| down to 0.1 in max(smooth_steps, max|x| / 0.5) steps,
+   over real tokens. For thresholds t from max|x| down to 0.1 in max(100, max|x| / 0.5) steps (or exactly
+   config.smooth_steps),
    channels reaching past +-t get s_j = max(cmx_j / t, cmn_j / -t), the others 1. The loss is the squared
    error (summed over features, averaged over real tokens) of the group's block output computed from
    per-token int8 fake-quantized x / s and 4-bit fake-quantized W * s, against the unquantized output.
@@ -63,7 +64,8 @@ MAX_GROUP_MULTIPLE = 16  # (0 - 8) * 16 = -128 is the lowest int8
 CHANNEL_SCALE_BITS = 4  # k (<= 16) * s_ch then has <= 8 significant bits: exact in bf16 and fp16
 MIN_CHANNEL_SCALE = 2.0**-21  # 8 * 2**-24: k * s_ch stays a multiple of 2**-24, exact as an fp16 subnormal
 THRESHOLD_FLOOR = 0.1  # the reference's smallest threshold...
-THRESHOLD_SPACING = 0.5  # ...and its max(steps, max|x| / 0.5) candidates
+THRESHOLD_SPACING = 0.5  # ...and its max(100, max|x| / 0.5) candidates
+THRESHOLD_MIN_STEPS = 100
 REQUIRED_OPTIONS = {"act_order": True, "sym": True, "act_bits": 8}
 
 
@@ -149,21 +151,23 @@ class SmoothingProbe:
     """One scaling group on the calibration batches: its channel ranges, and the loss of a scale vector."""
 
     def __init__(self, inputs: list[torch.Tensor], masks: list[torch.Tensor | None],
-                 weights: list[torch.Tensor], block: BlockFn, group_size: int) -> None:
-        self.inputs, self.masks, self.weights = inputs, masks, weights
+                 weights: list[torch.Tensor], block: BlockFn, group_size: int,
+                 loss_batches: int | None = None) -> None:
+        """Channel ranges come from every batch; the loss from the first `loss_batches` (None: all)."""
+        self.masks, self.weights = masks, weights
         self.block, self.group_size = block, group_size
         real = [_real_rows(x, m) for x, m in zip(inputs, masks, strict=True)]
         self.channel_max = torch.stack([r.amax(dim=0) for r in real]).amax(dim=0).float()
         self.channel_min = torch.stack([r.amin(dim=0) for r in real]).amin(dim=0).float()
-        self.tokens = sum(r.shape[0] for r in real)
-        self.targets = [block(i, x, weights) for i, x in enumerate(inputs)]
+        self.inputs = inputs[:loss_batches]
+        self.tokens = sum(r.shape[0] for r in real[:loss_batches])
+        self.targets = [block(i, x, weights) for i, x in enumerate(self.inputs)]
 
     @classmethod
-    def for_matmul(
-        cls, inputs: list[torch.Tensor], weights: list[torch.Tensor], group_size: int
-    ) -> SmoothingProbe:
+    def for_matmul(cls, inputs: list[torch.Tensor], weights: list[torch.Tensor], group_size: int,
+                   loss_batches: int | None = None) -> SmoothingProbe:
         """Inputs are real-token rows [tokens, in_features]."""
-        return cls(inputs, [None] * len(inputs), weights, matmul_block, group_size)
+        return cls(inputs, [None] * len(inputs), weights, matmul_block, group_size, loss_batches)
 
     def loss(self, scales: torch.Tensor) -> float:
         weights = [fake_quantize_weight(w * scales.to(w), self.group_size) for w in self.weights]
@@ -182,12 +186,12 @@ def threshold_scales(channel_max: torch.Tensor, channel_min: torch.Tensor, thres
     return torch.maximum(above, below)
 
 
-def candidate_thresholds(bound: float, steps: int) -> list[float]:
+def candidate_thresholds(bound: float, steps: int | None) -> list[float]:
     """From the largest |activation| down to 0.1 (the reference's range); just `bound` (no smoothing) when
     nothing exceeds 0.1."""
     if bound <= THRESHOLD_FLOOR:
         return [bound]
-    count = max(steps, int(bound / THRESHOLD_SPACING))
+    count = steps if steps is not None else max(THRESHOLD_MIN_STEPS, int(bound / THRESHOLD_SPACING))
     return torch.linspace(bound, THRESHOLD_FLOOR, count + 1, dtype=torch.float64).tolist()
 
 
@@ -204,7 +208,7 @@ class SmoothingChoice:
                 "loss_unsmoothed": self.loss_unsmoothed}
 
 
-def search_smoothing(probe: SmoothingProbe, steps: int) -> SmoothingChoice:
+def search_smoothing(probe: SmoothingProbe, steps: int | None) -> SmoothingChoice:
     """The threshold whose scales minimise probe.loss; the first (largest) of equal losses wins."""
     bound = max(probe.channel_max.max().item(), -probe.channel_min.min().item(), 0.0)
     best: SmoothingChoice | None = None
@@ -277,7 +281,8 @@ def measured_linear(adapter: ArchAdapter, group: ScalingGroup) -> str:
     return name
 
 
-def _module_probe(ctx: LayerContext, group: ScalingGroup, group_size: int) -> SmoothingProbe:
+def _module_probe(ctx: LayerContext, group: ScalingGroup, group_size: int,
+                  loss_batches: int | None) -> SmoothingProbe:
     """Records the inspected module's calls (inputs, rotary embeddings, masks) up to its first linear."""
     calls: list[tuple[tuple, dict]] = []
     masks: list[torch.Tensor | None] = []
@@ -295,15 +300,16 @@ def _module_probe(ctx: LayerContext, group: ScalingGroup, group_size: int) -> Sm
     block = ModuleBlock(ctx.module(group.inspect), ctx.module(measured_linear(ctx.adapter, group)), linears,
                         calls, masks)
     inputs = [block.input_of(i) for i in range(len(calls))]
-    return SmoothingProbe(inputs, masks, [lin.weight.data for lin in linears], block, group_size)
+    return SmoothingProbe(inputs, masks, [lin.weight.data for lin in linears], block, group_size, loss_batches)
 
 
-def _matmul_probe(ctx: LayerContext, group: ScalingGroup, group_size: int) -> SmoothingProbe:
+def _matmul_probe(ctx: LayerContext, group: ScalingGroup, group_size: int,
+                  loss_batches: int | None) -> SmoothingProbe:
     first = group.linears[0]
     with ctx.capture_inputs([first]) as captured:
         ctx.run_until([first])
     return SmoothingProbe.for_matmul(captured[first], [ctx.module(n).weight.data for n in group.linears],
-                                     group_size)
+                                     group_size, loss_batches)
 
 
 @register
@@ -324,12 +330,17 @@ class QQQ(Method):
     def linear_quantizer(self, linear: nn.Linear) -> LinearQuantizer:
         return QQQQuantizer(linear, self.config)
 
+    def _loss_batches(self, ctx: LayerContext) -> int | None:
+        """Batches holding the first config.smooth_samples calibration sequences (None: all)."""
+        samples = self.config.smooth_samples
+        return None if samples is None else -(-samples // ctx.inputs[0].shape[0])
+
     @torch.no_grad()
     def smooth_layer(self, ctx: LayerContext) -> dict:
         report = {}
         for group in active_scaling_groups(ctx.layer, ctx.adapter):
             make_probe = _module_probe if group.inspect else _matmul_probe
-            probe = make_probe(ctx, group, self.config.group_size)
+            probe = make_probe(ctx, group, self.config.group_size, self._loss_batches(ctx))
             choice = search_smoothing(probe, self.config.smooth_steps)
             fold_scales(ctx.layer, ctx.adapter, group, choice.scales)
             report[group.prev] = choice.summary()
