@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--smooth-steps", type=int, default=None, help="QQQ thresholds (default: reference rule)")
     parser.add_argument("--smooth-samples", type=int, default=None, help="QQQ loss samples (default: all)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch-size", type=int, default=8, help="calibration batch size")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -58,14 +59,19 @@ def main() -> None:
     calib = build_calibration_set(tokenizer, load_passages(None), args.nsamples, args.seqlen, seed=0)
 
     def ppl(m) -> dict[str, float]:
-        return {n: perplexity(m, tokenizer, t, 512, max_windows=args.windows)["ppl"] for n, t in texts.items()}
+        m.to(args.device)
+        try:
+            return {n: perplexity(m, tokenizer, t, 512, max_windows=args.windows)["ppl"] for n, t in texts.items()}
+        finally:
+            m.cpu()
 
     rows = [("fp32 (unquantized)", ppl(model), 0.0)]
     for spec in args.runs:
         config = parse_run(spec, args.smooth_steps, args.smooth_samples)
         quantized = copy.deepcopy(model)
         start = time.perf_counter()
-        quantize_model(quantized, get_adapter(quantized), calib, config, device=args.device, show_progress=False)
+        quantize_model(quantized, get_adapter(quantized), calib, config, device=args.device,
+                       batch_size=args.batch_size, show_progress=False)
         rows.append((label(config), ppl(quantized), time.perf_counter() - start))
         print(rows[-1], flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -73,7 +79,8 @@ def main() -> None:
                      (("smooth_steps", args.smooth_steps), ("smooth_samples", args.smooth_samples)) if v is not None)
     model_arg = f"--model {args.model} " if args.model else ""
     command = "python benchmarks/bench_accuracy.py " + model_arg + " ".join(
-        [f"--nsamples {args.nsamples} --seqlen {args.seqlen} --windows {args.windows}{smooth} --runs"] + args.runs)
+        [f"--nsamples {args.nsamples} --seqlen {args.seqlen} --windows {args.windows} --batch-size {args.batch_size}"
+         f"{smooth} --runs"] + args.runs)
     lines = [f"# Held-out perplexity: {args.model or 'SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)'}", "",
              f"- date: {date.today().isoformat()}; machine: {args.device} ({torch.get_num_threads()} CPU threads); "
              f"commit: {commit}", f"- command: `{command}`",
