@@ -23,7 +23,13 @@ from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError
 from quantkit.quantizers.base import get_method
 from quantkit.quantizers.gptq import gptq_quantize
-from quantkit.quantizers.qqq import PerChannelGrid, QQQQuantizer, SmoothingProbe, search_smoothing
+from quantkit.quantizers.qqq import (
+    PerChannelGrid,
+    QQQQuantizer,
+    SmoothingProbe,
+    candidate_thresholds,
+    search_smoothing,
+)
 from quantkit.reload import load_quantized
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -90,7 +96,7 @@ def test_threshold_search_is_the_brute_force_argmin() -> None:
     x = torch.randn(160, 24, generator=gen, dtype=torch.float64)
     x[:, [2, 7]] *= torch.tensor([30.0, -12.0], dtype=torch.float64)  # one-sided outliers
     w = torch.randn(16, 24, generator=gen, dtype=torch.float64) * 0.05
-    choice = search_smoothing(SmoothingProbe.for_matmul([x[:100], x[100:]], [w], group_size=-1), steps=100)
+    choice = search_smoothing(SmoothingProbe.for_matmul([x[:100], x[100:]], [w], group_size=-1), steps=None)
 
     bound = x.abs().max().item()
     count = max(100, int(bound / 0.5))
@@ -100,6 +106,7 @@ def test_threshold_search_is_the_brute_force_argmin() -> None:
     assert 0 < best  # smoothing pays off here
     assert choice.threshold == pytest.approx(thresholds[best], rel=1e-6)  # the probe keeps fp32 ranges
     assert choice.loss == pytest.approx(losses[best], rel=1e-5)
+    assert len(candidate_thresholds(bound, 7)) == 8  # an explicit step count replaces the reference rule
     assert choice.loss_unsmoothed == pytest.approx(losses[0], rel=1e-5)
     assert int((choice.scales != 1).sum()) == sum(
         1 for j in range(24) if x[:, j].max() > choice.threshold or x[:, j].min() < -choice.threshold)
