@@ -172,20 +172,26 @@ def exports(quantized_models, setup, tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(EXPORTS))
 def test_reload_matches_the_in_memory_model(quantized_models, exports, setup, name: str) -> None:
+    """The export holds embeddings and norms in fp16: the in-memory model with its parameters rounded the same
+    way must give the same logits. (Unrounded, W4A8 drifts by several logits: a rounding difference of one
+    ulp in the embeddings flips per-token int8 roundings, and 30 layers amplify the flips.)"""
     _, tokenizer, calib, _ = setup
     ids = calib.input_ids[:2, :64]
-    reference = quantized_models[EXPORTS[name][0]](ids).logits
-    reloaded, _ = load_quantized(exports[name], dtype=torch.float32)
-    # embeddings and norms were written in fp16: tolerance of fp16 rounding through 30 layers
-    torch.testing.assert_close(reloaded(ids).logits, reference, atol=0.05, rtol=0.02)
+    model = copy.deepcopy(quantized_models[EXPORTS[name][0]])
+    with torch.no_grad():
+        for parameter in model.parameters():  # QuantLinear keeps its packed weights in buffers, untouched here
+            parameter.copy_(parameter.half().float())
+        reference = model(ids).logits
+        reloaded, _ = load_quantized(exports[name], dtype=torch.float32)
+        torch.testing.assert_close(reloaded(ids).logits, reference, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["gptq-ct", "awq-ct", "qqq-ct"])
 def test_transformers_loads_the_compressed_tensors_export(exports, setup, name: str) -> None:
-    """W4A16 exports match quantkit's reload. The W4A8 one loads with every tensor, but transformers'
-    compressed-tensors path does not compute int8 activations the way quantkit's reload (and its kernel)
-    does: its logits differ by several units from both our W4A8 and our W4A16 numerics (measured
-    2026-12-03, max |diff| 9.0 and 12.6), so only loading and finite logits are asserted there."""
+    """W4A16 exports match quantkit's reload. The W4A8 one loads with every tensor, but its logits are only
+    checked to be finite: transformers' compressed-tensors path rounds the per-token int8 activations in
+    its own order of operations, and through 30 layers any rounding flip drifts the logits by several units
+    (max |diff| 9.0 measured 2026-12-03; see test_reload_matches_the_in_memory_model for the same effect)."""
     _, _, calib, _ = setup
     folder = exports[name]
     ids = calib.input_ids[:2, :64]
