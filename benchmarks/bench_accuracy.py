@@ -34,12 +34,6 @@ def parse_run(spec: str, smooth_steps: int | None = None, smooth_samples: int | 
                        smooth_steps=smooth_steps, smooth_samples=smooth_samples).validate()
 
 
-def label(config: QuantConfig) -> str:
-    group = "per-channel" if config.group_size == -1 else f"g{config.group_size}"
-    order = " act-order" if config.act_order and config.method == "gptq" else ""
-    return f"{config.method} W{config.bits}A{config.act_bits} {group}{'' if config.sym else ' asym'}{order}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
@@ -72,7 +66,7 @@ def main() -> None:
         start = time.perf_counter()
         quantize_model(quantized, get_adapter(quantized), calib, config, device=args.device,
                        batch_size=args.batch_size, show_progress=False)
-        rows.append((label(config), ppl(quantized), time.perf_counter() - start))
+        rows.append((config.label(), ppl(quantized), time.perf_counter() - start))
         print(rows[-1], flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     smooth = "".join(f" --{k.replace('_', '-')} {v}" for k, v in

@@ -97,7 +97,7 @@ def quantize(
     duo_scaling: Annotated[bool, typer.Option("--duo-scaling", help="AWQ: s = mean|x|^r / mean|w|^(1-r)")] = False,
     clip: Annotated[bool, typer.Option("--clip/--no-clip", help="AWQ: search clipping ranges")] = True,
     smooth_steps: Annotated[int | None, typer.Option(help="QQQ: thresholds searched (default max(100, max|x|/0.5))")] = None,
-    smooth_samples: Annotated[int | None, typer.Option(help="QQQ: calibration samples of the smoothing loss (default all)")] = None,
+    smooth_samples: Annotated[int | None, typer.Option(help="QQQ: calibration samples of the smoothing loss, rounded up to whole batches (default all)")] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="output folder")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing output folder")] = False,
     dtype: Annotated[str, typer.Option(help="checkpoint dtype: auto, float16, bfloat16")] = "auto",

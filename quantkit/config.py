@@ -26,7 +26,8 @@ class QuantConfig:
     awq_grid: int = 20
     awq_clip: bool = True
     smooth_steps: int | None = None  # QQQ thresholds; None: the reference's max(100, max|x| / 0.5)
-    smooth_samples: int | None = None  # QQQ: calibration sequences its smoothing loss runs on (None: all)
+    # QQQ: calibration sequences its smoothing loss runs on, rounded up to whole calibration batches (None: all)
+    smooth_samples: int | None = None
     # modules never quantized (matched as name suffixes); lm_head and embeddings never are
     ignore: list[str] = field(default_factory=list)
 
@@ -50,6 +51,12 @@ class QuantConfig:
         if self.smooth_samples is not None and self.smooth_samples < 1:
             raise QuantizationError(f"smooth_samples must be at least 1, got {self.smooth_samples}")
         return self
+
+    def label(self) -> str:
+        """Short human-readable name of the scheme, e.g. 'gptq W4A16 g64 sym act-order'."""
+        group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
+        order = " act-order" if self.act_order and self.method == "gptq" else ""
+        return f"{self.method} W{self.bits}A{self.act_bits} {group} {'sym' if self.sym else 'asym'}{order}"
 
     def to_dict(self) -> dict:
         return asdict(self)
