@@ -251,14 +251,17 @@ GEMV_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 3),
 SMALL_MS = (1, 4, 16, 64, 256)
 
 
-def gemv_sweep_configs(m: int, n: int, k: int, group: int) -> list[dict]:
+GEMV_KINDS = ("gemv_h2", "gemv")
+
+
+def gemv_sweep_configs(m: int, n: int, k: int, group: int, kind: str = "gemv") -> list[dict]:
     """Every gemv tile with every power-of-two split that leaves each split at least two K tiles."""
     from quantkit.kernels.autotune import _fits
 
     out = []
     for bn, bk, warps, stages in GEMV_TILES:
         for split in (1, 2, 4, 8, 16):
-            cfg = dict(kernel="gemv", BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
+            cfg = dict(kernel=kind, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
                        num_stages=stages)
             if (split == 1 or k // bk >= 2 * split) and _fits(cfg, k, group):
                 out.append(cfg)
@@ -280,6 +283,15 @@ def _poisoned_run(layer: QuantLinear, x: torch.Tensor, cfg: dict) -> torch.Tenso
         torch.empty = real_empty
 
 
+def _checked_err(layer: QuantLinear, x: torch.Tensor, cfg: dict, ref: torch.Tensor, log) -> float:
+    """Relative error of cfg's poisoned run; inf (logged) when it fails to compile or run."""
+    try:
+        return _rel_err(_poisoned_run(layer, x, cfg), ref)
+    except Exception as err:  # a compile error is a failed check, not the end of the sweep
+        log(f"ERROR {cfg}: {type(err).__name__}: {str(err)[:2000]}")
+        return float("inf")
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     err = ((out.double() - ref).norm() / ref.norm()).item()
     return err if math.isfinite(err) else float("inf")
@@ -297,7 +309,7 @@ def _gemv_compiles() -> list:
 
 def _resources(cfg: dict, seen: dict, compiles_before: int) -> dict:
     """Registers / spills of cfg's gemv tile, read when its first call compiled a new variant."""
-    tile = (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
+    tile = (cfg["kernel"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
     compiles = _gemv_compiles()
     if tile not in seen and len(compiles) > compiles_before:
         seen[tile] = dict(regs=getattr(compiles[-1], "n_regs", None), spills=getattr(compiles[-1], "n_spills", None))
@@ -318,8 +330,9 @@ def check_odd_shapes(log) -> int:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = reference(layer, x)
             sliced = [c for c in candidates("w4a16", m, n, k, layer.group_size) if c["kernel"] == "gemm_sliced"]
-            for cfg in gemv_sweep_configs(m, n, k, layer.group_size)[::14] + sliced[:3]:  # each is a compile
-                err = _rel_err(_poisoned_run(layer, x, cfg), ref)
+            gemvs = [c for kind in GEMV_KINDS for c in gemv_sweep_configs(m, n, k, layer.group_size, kind)[::14]]
+            for cfg in gemvs + sliced[:3]:  # each is a compile
+                err = _checked_err(layer, x, cfg, ref, log)
                 if not err < tol:
                     failures += 1
                     log(f"FAIL odd K{k} N{n} g{group} {dtype} sym={sym} m={m} {cfg}: {err:.2e}")
@@ -327,7 +340,7 @@ def check_odd_shapes(log) -> int:
     return failures
 
 
-def sweep_small_m(log, out: Path, budget_s: float, schemes: list[str]) -> int:
+def sweep_small_m(log, out: Path, budget_s: float, schemes: list[str], ms: tuple[int, ...] = SMALL_MS) -> int:
     """Correctness (float64, NaN-poisoned outputs) and timing, for M in SMALL_MS on every benchmark shape
     (g128 sym fp16; W4A8 two-level), of every tiled candidate (gemm, gemm_sliced, dequant_mm / int_mm) and,
     within the budget, every W4A16 gemv config, next to cuBLAS; the best of each kernel kind per cell."""
@@ -335,7 +348,7 @@ def sweep_small_m(log, out: Path, budget_s: float, schemes: list[str]) -> int:
 
     t_start, failures, rows, seen = time.time(), check_odd_shapes(log), [], {}
     for scheme in schemes:
-        for m in SMALL_MS:
+        for m in ms:
             for shape, (k, n) in SHAPES.items():
                 failures += _sweep_cell(log, scheme, shape, k, n, m, t_start, budget_s, rows, seen, candidates)
                 (out / "sweep_small_m.json").write_text(json.dumps(rows, indent=1))
@@ -372,15 +385,16 @@ def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: f
     xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
     runners = [config_runner(la) for la in layers]
     ref = reference(layers[0], xs[0])
-    tiled = [c for c in candidates(scheme, m, n, k, 128) if c["kernel"] != "gemv"]
-    configs = tiled + (gemv_sweep_configs(m, n, k, 128) if m <= 4 and scheme == "w4a16" else [])
+    tiled = [c for c in candidates(scheme, m, n, k, 128) if c["kernel"] not in GEMV_KINDS]
+    gemvs = [c for kind in GEMV_KINDS for c in gemv_sweep_configs(m, n, k, 128, kind)]
+    configs = tiled + (gemvs if m <= 4 and scheme == "w4a16" else [])
     failures = 0
     for cfg in configs:
-        if time.time() - t_start > budget_s and cfg["kernel"] == "gemv":
+        if time.time() - t_start > budget_s and cfg["kernel"] in GEMV_KINDS:
             break
         compiles_before = len(_gemv_compiles())
-        err = _rel_err(_poisoned_run(layers[0], xs[0], cfg), ref)
-        res = _resources(cfg, seen, compiles_before) if cfg["kernel"] == "gemv" else {}
+        err = _checked_err(layers[0], xs[0], cfg, ref, log)
+        res = _resources(cfg, seen, compiles_before) if cfg["kernel"] in GEMV_KINDS else {}
         if not err < 2e-3:
             failures += 1
             log(f"FAIL {scheme} {shape} M={m} {cfg}: rel err {err:.2e}")
@@ -427,7 +441,8 @@ def main() -> int:
                 triton=triton.__version__)
     torch.manual_seed(0)
     if args.sweep_small_m:
-        return int(sweep_small_m(log, args.out, args.budget_s, args.schemes) > 0)
+        ms = tuple(args.ms) if args.ms != list(MS) else SMALL_MS
+        return int(sweep_small_m(log, args.out, args.budget_s, args.schemes, ms) > 0)
     if args.check:
         t0 = time.time()
         failures = check_correctness(log, args.schemes)

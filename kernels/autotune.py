@@ -48,13 +48,13 @@ def _tile(kernel: str, block_m: int, block_n: int, block_k: int, warps: int, sta
 GEMV_PROGRAMS_PER_SM = 4  # decode is bandwidth bound: several resident programs per SM hide DRAM latency
 
 
-def _gemv(n: int, k: int, block_n: int, block_k: int, warps: int, stages: int = 3) -> dict:
+def _gemv(n: int, k: int, block_n: int, block_k: int, warps: int, stages: int = 3, kind: str = "gemv") -> dict:
     """A gemv config whose K split gives about GEMV_PROGRAMS_PER_SM programs per SM (x rows share the
     weight tile through L2, so only weight tiles count), each split keeping at least two K tiles."""
     tiles, split = -(-n // block_n), 1
     while tiles * split < GEMV_PROGRAMS_PER_SM * SMS_TO_FILL // 2 and split * 2 <= min(16, k // block_k // 2):
         split *= 2
-    return dict(kernel="gemv", BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps,
+    return dict(kernel=kind, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps,
                 num_stages=stages)
 
 
@@ -89,7 +89,8 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
             if cfg["SPLIT_K"] > 1:  # the heuristic split and one half as deep
                 out.append({**cfg, "SPLIT_K": cfg["SPLIT_K"] // 2})
     if scheme == "w4a16" and b <= 4:  # FMA gemv, one program per x row: the default for a single token
-        gemv = [_gemv(n, k, bn, bk, warps) for bn, bk, warps in  # the sweep's best first
+        # half2 first (fp16 on CUDA; the fp32 gemv elsewhere), then the fp32 one; the sweep's best tiles first
+        gemv = [_gemv(n, k, bn, bk, warps, kind=kind) for kind in ("gemv_h2", "gemv") for bn, bk, warps in
                 ((64, 128, 4), (64, 256, 4), (128, 256, 4), (128, 64, 8), (128, 128, 8))]
         out = gemv + out if b == 1 else out + gemv
     if b >= 256:

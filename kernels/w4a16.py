@@ -10,6 +10,12 @@ Three paths, chosen per M bucket by quantkit.kernels.autotune:
               The 8 nibbles of a word are summed at once (accumulator: one fp32 per word of the tile) and
               the group scale applied to that sum; x rows are the fastest grid axis (weight tile read from
               DRAM once, from L2 for the other rows); K is split at run time (no recompile per split).
+  gemv_h2     fp16 on CUDA: the same gemv on packed half2 arithmetic in inline PTX (Marlin's dequant: one lop3
+              turns nibbles j and j+4 of a word into the fp16x2 pair 1024 + q; then sub.f16x2 of 1024 + z and
+              fma.f16x2 with the x pair (x[8r+j], x[8r+j+4])): ~20 instructions per word of 8 weights instead
+              of ~40, the gemv's limit. Each word's 8 products are summed in fp16 (4 per half), x pre-scaled
+              by 2**-6 so |sum| <= 4 * 15 * 2**-6 |x|max never overflows; fp32 from the word sum on. Elsewhere
+              (bf16, Triton's CPU interpreter, which has no PTX) the fp32 gemv runs instead.
   gemm        tiled tl.dot (tensor cores) on weights dequantized in registers; split-K for small grids.
   dequant_mm  M large: dequantize the whole weight once, then cuBLAS (vLLM does the same for AWQ above
               a token threshold); the dequant costs ~K*N*2.5 bytes, small next to a compute-bound GEMM.
@@ -150,10 +156,58 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
     _store_output(acc, out_ptr, part_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, SPLIT_K, HAS_BIAS)
 
 
+# x words (pairs 8r+2p, 8r+2p+1, p < 4) -> the pairs (x[8r+j], x[8r+j+4]) that lop3 of nibbles j, j+4 meets,
+# times 2**-6 (0x2400 in fp16).
+_X_PAIRS_PTX = """{
+.reg .b32 k;
+mov.b32 k, 0x24002400;
+prmt.b32 $0, $4, $6, 0x5410;
+prmt.b32 $1, $4, $6, 0x7632;
+prmt.b32 $2, $5, $7, 0x5410;
+prmt.b32 $3, $5, $7, 0x7632;
+mul.rn.f16x2 $0, $0, k;
+mul.rn.f16x2 $1, $1, k;
+mul.rn.f16x2 $2, $2, k;
+mul.rn.f16x2 $3, $3, k;
+}"""
+
+# sum_j (q_j - z) x_j over the 8 nibbles of word $1: x pairs $2..$5, (1024 + z) as fp16x2 in $6; fp32 out.
+_NIBBLE_PAIR = """shr.u32 t, $1, {shift};
+lop3.b32 q, t, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 q, q, $6;
+fma.rn.f16x2 a, q, ${pair}, a;
+"""
+_WORD_DOT_PTX = ("{\n.reg .b32 q, t, a;\n.reg .b16 lo, hi;\n.reg .f32 fl, fh;\nmov.b32 a, 0;\n"
+                 + "".join(_NIBBLE_PAIR.format(shift=4 * j, pair=2 + j) for j in range(4))
+                 + "mov.b32 {lo, hi}, a;\ncvt.f32.f16 fl, lo;\ncvt.f32.f16 fh, hi;\nadd.f32 $0, fl, fh;\n}")
+
+
+@triton.jit
+def _half2_word_dots(x_ptr, x_base, rows, words, z, HAS_ZEROS: tl.constexpr):
+    """[ROWS, BN] fp32: 2**-6 * sum over each word's 8 nibbles of (q - z) * x (see gemv_h2 above)."""
+    xw = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + x_base // 2 + 4 * rows
+    x0, x1, x2, x3 = tl.load(xw), tl.load(xw + 1), tl.load(xw + 2), tl.load(xw + 3)
+    p0, p1, p2, p3 = tl.inline_asm_elementwise(_X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x0, x1, x2, x3],
+                                               dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                               is_pure=True, pack=1)
+    if HAS_ZEROS:
+        zh = z.to(tl.int32) | 0x6400
+        zz = zh | (zh << 16)
+    else:
+        zz = tl.full(words.shape, 0x64086408, tl.int32)  # 1024 + 8, twice
+    shape = words.shape
+    return tl.inline_asm_elementwise(
+        _WORD_DOT_PTX, "=r,r,r,r,r,r,r",
+        [words, tl.broadcast_to(p0[:, None], shape), tl.broadcast_to(p1[:, None], shape),
+         tl.broadcast_to(p2[:, None], shape), tl.broadcast_to(p3[:, None], shape), zz],
+        dtype=tl.float32, is_pure=True, pack=1)
+
+
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])  # one compile serves every M and split
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, M, N, K,
                        GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IS_SPLIT: tl.constexpr):
+                       SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IS_SPLIT: tl.constexpr,
+                       HALF2: tl.constexpr):
     # SPLIT_K is a runtime argument; IS_SPLIT picks the store (final output or fp32 partial).
     # Rows of x are the fastest grid axis: the programs sharing a weight tile run together and all but
     # the first find it in L2, so the weight crosses DRAM once for any M.
@@ -169,15 +223,18 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
         k0 = t * BLOCK_K
         words = tl.load(qw_ptr + (k0 // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
         s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS, True)
-        partial = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        for h in tl.static_range(2):  # 16-bit half h of each word holds inputs 8r + 4h + i, i < 4
-            half = (words >> (16 * h)) & 0xFFFF
-            for i in tl.static_range(4):
-                x = tl.load(x_ptr + m * K + k0 + 8 * rows + 4 * h + i).to(tl.float32) * (1.0 / (1 << (4 * i)))
-                q = ((half & (0xF << (4 * i))) | 0x4B000000).to(tl.float32, bitcast=True)
-                partial += (q - (MAGIC_F32 + z * (1 << (4 * i)))) * x[:, None]  # exact: (q - z) * 16**i
-        acc += partial * s  # the group scale once per word, after its 8 nibbles are summed
-    out = tl.sum(acc, axis=0)
+        if HALF2:
+            acc += _half2_word_dots(x_ptr, m * K + k0, rows, words, z, HAS_ZEROS) * s
+        else:
+            partial = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+            for h in tl.static_range(2):  # 16-bit half h of each word holds inputs 8r + 4h + i, i < 4
+                half = (words >> (16 * h)) & 0xFFFF
+                for i in tl.static_range(4):
+                    x = tl.load(x_ptr + m * K + k0 + 8 * rows + 4 * h + i).to(tl.float32) * (1.0 / (1 << (4 * i)))
+                    q = ((half & (0xF << (4 * i))) | 0x4B000000).to(tl.float32, bitcast=True)
+                    partial += (q - (MAGIC_F32 + z * (1 << (4 * i)))) * x[:, None]  # exact: (q - z) * 16**i
+            acc += partial * s  # the group scale once per word, after its 8 nibbles are summed
+    out = tl.sum(acc, axis=0) * (64.0 if HALF2 else 1.0)
     _store_output(out[None, :], out_ptr, part_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
                   1 + IS_SPLIT, HAS_BIAS)
 
@@ -208,6 +265,10 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.constex
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def splitk_reduce(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
@@ -248,13 +309,14 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     flags = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
                  BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                  num_warps=config["num_warps"], num_stages=config["num_stages"])
-    if config["kernel"] == "gemv":
+    if config["kernel"] in ("gemv", "gemv_h2"):
+        half2 = config["kernel"] == "gemv_h2" and x.dtype == torch.float16 and not _interpreting()
         _w4a16_gemv_kernel[(m, triton.cdiv(n, config["BLOCK_N"]), split)](*args, SPLIT_K=split,
-                                                                          IS_SPLIT=split > 1, **flags)
+                                                                          IS_SPLIT=split > 1, HALF2=half2, **flags)
     else:
         grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split)
         # Triton's CPU interpreter gets bf16 tl.dot wrong (3.9): there, and only there, multiply in fp32.
-        upcast = x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+        upcast = x.dtype == torch.bfloat16 and _interpreting()
         _w4a16_gemm_kernel[grid](*args, BLOCK_M=config["BLOCK_M"], SPLIT_K=split, UPCAST_DOT=upcast,
                                  SLICED=config["kernel"] == "gemm_sliced", **flags)
     return splitk_reduce(part, bias, out) if split > 1 else out

@@ -100,7 +100,7 @@ def quantize(
     smooth_samples: Annotated[int | None, typer.Option(help="QQQ: calibration samples of the smoothing loss, rounded up to whole batches (default all)")] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="output folder")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing output folder")] = False,
-    dtype: Annotated[str, typer.Option(help="checkpoint dtype: auto, float16, bfloat16")] = "auto",
+    dtype: Annotated[str, typer.Option(help="checkpoint dtype: auto (fp16; bf16 for Gemma), float16, bfloat16, float32")] = "auto",
     device: Annotated[str | None, typer.Option(help="work device (default: cuda if available)")] = None,
     batch_size: Annotated[int, typer.Option(help="calibration batch size")] = 8,
     evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="held-out perplexity before and after")] = True,
@@ -168,7 +168,7 @@ def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format
 def evaluate_cmd(
     models: Annotated[list[str], typer.Argument(help="HF folders, .gguf files, hub names or quantkit exports")],
     text: Annotated[list[str] | None, typer.Option("--text", help="text file or hub name (repeatable)")] = None,
-    tasks: Annotated[str, typer.Option(help="comma-separated tasks, e.g. arc_easy,hellaswag,gsm8k")] = "",
+    tasks: Annotated[str, typer.Option(help="comma-separated tasks, e.g. arc_easy,hellaswag,gsm8k:200 (:N = N items)")] = "",
     limit: Annotated[int | None, typer.Option(help="items per task")] = None,
     num_fewshot: Annotated[int | None, typer.Option(help="few-shot examples (task default if unset)")] = None,
     generations: Annotated[bool, typer.Option("--generations", help="side-by-side greedy answers")] = False,

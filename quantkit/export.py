@@ -19,10 +19,15 @@ from quantkit.qtensor import QuantizationError
 SHARD_BYTES = 4 * 2**30
 
 
+EXPORT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
 def export_dtype(model: nn.Module, requested: str = "auto") -> torch.dtype:
     """fp16 by default (what GPTQ/AWQ kernels expect); bf16 for Gemma, whose activations overflow fp16."""
     if requested != "auto":
-        return {"float16": torch.float16, "bfloat16": torch.bfloat16}[requested]
+        if requested not in EXPORT_DTYPES:
+            raise QuantizationError(f"export dtype must be auto or one of {sorted(EXPORT_DTYPES)}, got {requested!r}")
+        return EXPORT_DTYPES[requested]
     return torch.bfloat16 if model.config.model_type.startswith("gemma") else torch.float16
 
 

@@ -289,3 +289,30 @@ def test_packaged_task_data_is_well_formed(name):
         assert len(group.fewshot_pool) >= task.default_fewshot
     golds = {doc.gold for doc in docs} if task.kind == "choice" else set()
     assert task.kind == "generation" or len(golds) >= 2, "answers should not all be the same choice"
+
+
+def test_mirror_serves_the_same_rows(tmp_path, monkeypatch):
+    """QUANTKIT_TASK_DATA (for machines without `datasets` or the packages) reads back what was mirrored."""
+    sources = [task_data.GSM8K, task_data.PIQA]
+    if not all(_installed(s) for s in sources):
+        pytest.skip("task data packages not installed")
+    monkeypatch.setattr(task_data, "all_sources", lambda: sources)
+    assert task_data.write_mirror(tmp_path) == EXPECTED_SIZES["gsm8k"] + EXPECTED_SIZES["piqa"]
+    originals = [task_data.read_rows(s) for s in sources]
+    monkeypatch.setenv(task_data.MIRROR_ENV, str(tmp_path))
+    monkeypatch.setattr(task_data, "package_file", lambda *_: pytest.fail("read the package, not the mirror"))
+    task_data.read_rows.cache_clear()
+    try:
+        assert [task_data.read_rows(s) for s in sources] == originals
+    finally:
+        task_data.read_rows.cache_clear()
+
+
+def test_task_specs_carry_their_own_item_counts():
+    from quantkit.eval.runner import task_limits
+
+    assert task_limits(["arc_easy", "gsm8k:200"], 50) == {"arc_easy": 50, "gsm8k": 200}
+    assert task_limits(["piqa"], None) == {"piqa": None}
+    for bad in ("gsm8k:0", "gsm8k:x"):
+        with pytest.raises(ValueError, match="positive integer"):
+            task_limits([bad], None)

@@ -102,7 +102,7 @@ def test_gemv_rows_and_runtime_splits(m, split):
 
 def test_gemv_default_split_fills_the_gpu_and_keeps_two_k_tiles():
     for k, n in ((4096, 4096), (14336, 4096), (4096, 28672), (8192, 57344)):
-        for cfg in [c for c in candidates("w4a16", 1, n, k, 128) if c["kernel"] == "gemv"]:
+        for cfg in [c for c in candidates("w4a16", 1, n, k, 128) if c["kernel"] in ("gemv", "gemv_h2")]:
             k_tiles, programs = k // cfg["BLOCK_K"], -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
             assert cfg["SPLIT_K"] == 1 or k_tiles >= 2 * cfg["SPLIT_K"]
             assert programs >= 4 * 132 or cfg["SPLIT_K"] == min(16, k_tiles // 2)
@@ -116,7 +116,7 @@ def test_dequantize_is_the_reference_weight():
 
 def test_candidates_fit_shape_and_group():
     assert [m_bucket(m) for m in (1, 3, 16, 17, 5000)] == [1, 4, 16, 32, 4096]
-    assert candidates("w4a16", 1, 4096, 4096, 128)[0]["kernel"] == "gemv"
+    assert candidates("w4a16", 1, 4096, 4096, 128)[0]["kernel"] == "gemv_h2"
     assert candidates("w4a16", 4096, 4096, 4096, 128)[0]["kernel"] == "dequant_mm"
     for cfg in candidates("w4a16", 64, 64, 96, 32):
         assert 96 % cfg["BLOCK_K"] == 0

@@ -3,29 +3,25 @@
 GPTQ must raise held-out perplexity by less than RTN does (per group of 64 and per channel) and by a bounded
 amount; AWQ no more than RTN; W4A8 with QQQ's smoothing less than GPTQ W4A8, which beats RTN W4A8. The GPTQ,
 AWQ and QQQ exports must reload, load in transformers (compressed-tensors) and in vLLM with matching greedy
-tokens. QUANTKIT_TEST_REPORT=FILE writes every measured NLL (benchmarks/accuracy/ holds such a table).
+tokens. QUANTKIT_TEST_REPORT=DIR writes every measured NLL to DIR/smollm2.json (see realmodel.py).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from realmodel import NLLRecorder, mean
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from quantkit.config import QuantConfig
 from quantkit.data import build_calibration_set, default_heldout_texts, load_passages, load_text
-from quantkit.engine import quantize_model
-from quantkit.eval.perplexity import perplexity
 from quantkit.export import export_checkpoint
-from quantkit.models import get_adapter
 from quantkit.reload import load_quantized
 
 pytestmark = pytest.mark.slow
@@ -40,54 +36,30 @@ def setup(smollm2):
     return model, tokenizer, calib, texts
 
 
-def _nll(model, tokenizer, texts) -> dict[str, float]:
-    return {name: perplexity(model, tokenizer, text, 512, max_windows=WINDOWS)["nll"] for name, text in texts.items()}
-
-
-# label -> {"nll": {text: mean NLL}, "seconds": quantization time}; written to $QUANTKIT_TEST_REPORT if set
-MEASURED: dict[str, dict] = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report_measurements():
-    yield
-    if os.environ.get("QUANTKIT_TEST_REPORT"):
-        Path(os.environ["QUANTKIT_TEST_REPORT"]).write_text(json.dumps(MEASURED, indent=1))
-
-
-def _quantized(setup, config: QuantConfig, batch_size: int = 8):
-    """(mean NLL per held-out text, quantized copy of the model)."""
-    model, tokenizer, calib, texts = setup
-    quantized = copy.deepcopy(model)
-    start = time.perf_counter()
-    quantize_model(quantized, get_adapter(quantized), calib, config, device="cpu", batch_size=batch_size,
-                   show_progress=False)
-    seconds = time.perf_counter() - start
-    nll = _nll(quantized, tokenizer, texts)
-    MEASURED[config.label()] = {"nll": nll, "seconds": round(seconds, 1)}
-    return nll, quantized
-
-
-def _mean(nll: dict[str, float]) -> float:
-    return sum(nll.values()) / len(nll)
+@pytest.fixture(scope="module")
+def recorder(setup):
+    _, tokenizer, _, texts = setup
+    recorder = NLLRecorder("smollm2", tokenizer, texts, WINDOWS)
+    yield recorder
+    recorder.write_report()
 
 
 @pytest.fixture(scope="module")
-def results(setup):
+def results(setup, recorder):
     """Mean NLL on both held-out texts for fp and each (method, group), plus the quantized models."""
-    model, tokenizer, _, texts = setup
-    out = {"fp": (_nll(model, tokenizer, texts), model)}
-    MEASURED["fp32"] = {"nll": out["fp"][0], "seconds": 0.0}
+    model, _, calib, _ = setup
+    out = {"fp": (recorder.nll(model, "fp32"), model)}
     for method in ("rtn", "gptq"):
         for group in (64, -1):
-            out[(method, group)] = _quantized(setup, QuantConfig(method=method, group_size=group))
+            out[(method, group)] = recorder.quantized(model, calib, QuantConfig(method=method, group_size=group))
     return out
 
 
 @pytest.fixture(scope="module")
-def awq_results(setup):
+def awq_results(setup, recorder):
     """RTN and AWQ in AWQ's default scheme (asymmetric) with groups of 64."""
-    return {method: _quantized(setup, QuantConfig(method=method, group_size=64, sym=False))
+    model, _, calib, _ = setup
+    return {method: recorder.quantized(model, calib, QuantConfig(method=method, group_size=64, sym=False))
             for method in ("rtn", "awq")}
 
 
@@ -98,10 +70,11 @@ W4A8_RUNS = {"rtn": {}, "gptq": {"act_order": True}, "qqq": {"smooth_samples": 8
 
 
 @pytest.fixture(scope="module")
-def w4a8_results(setup):
+def w4a8_results(setup, recorder):
     """W4A8 (per-token int8 activations) RTN, GPTQ and QQQ (smoothing + GPTQ), per channel and g64."""
-    return {("w4a8", method, group): _quantized(setup, QuantConfig(method=method, group_size=group, act_bits=8,
-                                                                    **extra))
+    model, _, calib, _ = setup
+    return {("w4a8", method, group): recorder.quantized(model, calib, QuantConfig(
+                method=method, group_size=group, act_bits=8, **extra))
             for method, extra in W4A8_RUNS.items() for group in (-1, 64)}
 
 
@@ -114,13 +87,13 @@ def test_gptq_costs_less_perplexity_than_rtn(results, group: int) -> None:
     """
     fp = results["fp"][0]
     rtn, gptq = results[("rtn", group)][0], results[("gptq", group)][0]
-    assert _mean(gptq) < _mean(rtn), (fp, rtn, gptq)
+    assert mean(gptq) < mean(rtn), (fp, rtn, gptq)
 
 
 def test_awq_costs_no_more_perplexity_than_rtn(results, awq_results) -> None:
     fp, rtn, awq = results["fp"][0], awq_results["rtn"][0], awq_results["awq"][0]
-    assert _mean(awq) <= _mean(rtn), (fp, rtn, awq)
-    assert _mean(awq) - _mean(fp) < torch.log1p(torch.tensor(0.6)).item(), (fp, awq)
+    assert mean(awq) <= mean(rtn), (fp, rtn, awq)
+    assert mean(awq) - mean(fp) < torch.log1p(torch.tensor(0.6)).item(), (fp, awq)
 
 
 @pytest.mark.parametrize("group", [-1, 64])
@@ -128,7 +101,7 @@ def test_qqq_smoothing_beats_plain_w4a8(results, w4a8_results, group: int) -> No
     """W4A8 with QQQ's smoothing beats GPTQ + int8 activations without it, which beats RTN W4A8."""
     fp = results["fp"][0]
     rtn, gptq, qqq = (w4a8_results[("w4a8", method, group)][0] for method in ("rtn", "gptq", "qqq"))
-    assert _mean(qqq) < _mean(gptq) < _mean(rtn), (fp, rtn, gptq, qqq)
+    assert mean(qqq) < mean(gptq) < mean(rtn), (fp, rtn, gptq, qqq)
 
 
 @pytest.mark.parametrize("group,bound", [(64, 0.6), (-1, 1.5)])

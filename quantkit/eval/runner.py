@@ -44,6 +44,17 @@ def _text_sources(texts: list[str] | None) -> dict[str, str]:
     return {Path(t).stem if Path(t).suffix else t: t for t in texts}
 
 
+def task_limits(specs: list[str], limit: int | None) -> dict[str, int | None]:
+    """Task name -> items to run, from specs 'name' (all, or `limit`) or 'name:N' (N, overriding `limit`)."""
+    limits: dict[str, int | None] = {}
+    for spec in specs:
+        name, _, count = spec.partition(":")
+        if count and not (count.isdigit() and int(count) > 0):
+            raise ValueError(f"task {spec!r}: the item count after ':' must be a positive integer")
+        limits[name] = int(count) if count else limit
+    return limits
+
+
 def _default_loader(device: str) -> Loader:
     from quantkit.models import load_for_eval
 
@@ -99,19 +110,21 @@ def run_eval(
         raise ValueError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
     if backend == "lm-eval":
         lm_eval_backend.check_available()
-    task_list = [get_task(name) for name in tasks]
+    limits = task_limits(tasks, limit)
+    task_list = [get_task(name) for name in limits]
     sources = _text_sources(texts)
     prompt_list = (prompts if prompts is not None else load_prompts()) if generations else []
     device = _resolve_device(device)
     prepared = (
-        {t.name: build_prompts(t, limit, num_fewshot) for t in task_list} if backend == "native" else {}
+        {t.name: build_prompts(t, limits[t.name], num_fewshot) for t in task_list} if backend == "native" else {}
     )
     results = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": {
             "models": list(models),
-            "tasks": list(tasks),
+            "tasks": list(limits),
             "limit": limit,
+            "limits": limits,
             "num_fewshot": num_fewshot,
             "backend": backend,
             "texts": sources,
@@ -192,7 +205,7 @@ def _run_task(model, tokenizer, task: Task, prepared: dict, config: dict, consol
             model,
             tokenizer,
             task,
-            limit=config["limit"],
+            limit=config["limits"][task.name],
             num_fewshot=config["num_fewshot"],
             batch_size=config["batch_size"],
         )

