@@ -29,6 +29,7 @@ from quantkit.engine import quantize_model
 from quantkit.eval import report
 from quantkit.eval.runner import run_eval
 from quantkit.models import get_adapter, load_model
+from quantkit.nn.qlinear import QuantLinear
 
 ALL_TASKS = "arc_easy,arc_challenge,hellaswag,winogrande,piqa,boolq,mmlu,gsm8k"
 
@@ -78,7 +79,11 @@ def evaluate_each(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         quantize_model(quantized, get_adapter(quantized), calib, config, device=args.device, show_progress=False)
         console.print(f"{config.label()}: quantized in {time.perf_counter() - start:.1f} s")
-        return quantized.to(eval_dtype), tokenizer, config.label()
+        quantized.to(device=args.device, dtype=eval_dtype)
+        for module in quantized.modules():
+            if isinstance(module, QuantLinear):
+                module.cache_dense_weight()
+        return quantized, tokenizer, config.label()
 
     for index, name in enumerate(["fp", *args.runs]):
         run_eval([name], texts=None, tasks=args.tasks.split(","), limit=args.limit, num_fewshot=None,

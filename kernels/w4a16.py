@@ -158,7 +158,7 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
 
 # x words (pairs 8r+2p, 8r+2p+1, p < 4) -> the pairs (x[8r+j], x[8r+j+4]) that lop3 of nibbles j, j+4 meets,
 # times 2**-6 (0x2400 in fp16).
-_X_PAIRS_PTX = """{
+_X_PAIRS_PTX = tl.constexpr("""{
 .reg .b32 k;
 mov.b32 k, 0x24002400;
 prmt.b32 $0, $4, $6, 0x5410;
@@ -169,7 +169,7 @@ mul.rn.f16x2 $0, $0, k;
 mul.rn.f16x2 $1, $1, k;
 mul.rn.f16x2 $2, $2, k;
 mul.rn.f16x2 $3, $3, k;
-}"""
+}""")
 
 # sum_j (q_j - z) x_j over the 8 nibbles of word $1: x pairs $2..$5, (1024 + z) as fp16x2 in $6; fp32 out.
 _NIBBLE_PAIR = """shr.u32 t, $1, {shift};
@@ -177,7 +177,7 @@ lop3.b32 q, t, 0x000F000F, 0x64006400, 0xEA;
 sub.f16x2 q, q, $6;
 fma.rn.f16x2 a, q, ${pair}, a;
 """
-_WORD_DOT_PTX = ("{\n.reg .b32 q, t, a;\n.reg .b16 lo, hi;\n.reg .f32 fl, fh;\nmov.b32 a, 0;\n"
+_WORD_DOT_PTX = tl.constexpr("{\n.reg .b32 q, t, a;\n.reg .b16 lo, hi;\n.reg .f32 fl, fh;\nmov.b32 a, 0;\n"
                  + "".join(_NIBBLE_PAIR.format(shift=4 * j, pair=2 + j) for j in range(4))
                  + "mov.b32 {lo, hi}, a;\ncvt.f32.f16 fl, lo;\ncvt.f32.f16 fh, hi;\nadd.f32 $0, fl, fh;\n}")
 
@@ -194,12 +194,11 @@ def _half2_word_dots(x_ptr, x_base, rows, words, z, HAS_ZEROS: tl.constexpr):
         zh = z.to(tl.int32) | 0x6400
         zz = zh | (zh << 16)
     else:
-        zz = tl.full(words.shape, 0x64086408, tl.int32)  # 1024 + 8, twice
-    shape = words.shape
+        zz = tl.zeros_like(words) + 0x64086408  # 1024 + 8, twice
+    none = tl.zeros_like(words)
     return tl.inline_asm_elementwise(
         _WORD_DOT_PTX, "=r,r,r,r,r,r,r",
-        [words, tl.broadcast_to(p0[:, None], shape), tl.broadcast_to(p1[:, None], shape),
-         tl.broadcast_to(p2[:, None], shape), tl.broadcast_to(p3[:, None], shape), zz],
+        [words, p0[:, None] + none, p1[:, None] + none, p2[:, None] + none, p3[:, None] + none, zz],
         dtype=tl.float32, is_pure=True, pack=1)
 
 

@@ -121,3 +121,17 @@ def test_rtn_bad_inputs_raise():
         w[2, 3] = bad
         with pytest.raises(QuantizationError, match=r"\[24x96\] has NaN/Inf weights"):
             rtn_quantize(w, 4, 32, sym=True, mse=False)
+
+
+def test_cached_dense_weight_gives_the_same_outputs():
+    from quantkit.nn.qlinear import QuantLinear
+
+    qlinear = QuantLinear.from_quantized(rtn_quantize(random_weight(3, 24, 64), 4, 32, True, False),
+                                         torch.randn(24), torch.float32, act_bits=8)
+    x = torch.randn(5, 64)
+    expected = qlinear(x)
+    qlinear.cache_dense_weight()
+    assert qlinear.dense_weight is not None and "dense_weight" not in qlinear.state_dict()
+    torch.testing.assert_close(qlinear(x), expected, rtol=0, atol=0)
+    qlinear.cache_dense_weight(False)
+    assert qlinear.dense_weight is None

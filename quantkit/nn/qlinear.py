@@ -71,6 +71,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("channel_scales", torch.ones(out_features) if two_level else None)
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
         self._kernel = None  # set by quantkit.kernels on CUDA (see prepare_kernels)
+        self.register_buffer("dense_weight", None, persistent=False)  # see cache_dense_weight
 
     @classmethod
     def from_quantized(
@@ -117,10 +118,17 @@ class QuantLinear(nn.Module):
             return (w8 * self.channel_scales.float()).to(self.scales.dtype).t()
         return (q.to(self.scales.dtype) * self.scales[g]).t()
 
+    def cache_dense_weight(self, enabled: bool = True) -> None:
+        """Keep the dequantized weight (same numerics, no unpacking per call): evaluation of small models,
+        where the per-call dequantize's kernel launches cost more than the matmul. Not saved; call again
+        after changing the packed buffers."""
+        self.dense_weight = self.dequantized_weight() if enabled else None
+
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_bits == 8:
             x = quantize_activations_per_token(x)
-        return nn.functional.linear(x, self.dequantized_weight().to(x.dtype),
+        weight = self.dense_weight if self.dense_weight is not None else self.dequantized_weight()
+        return nn.functional.linear(x, weight.to(x.dtype),
                                     None if self.bias is None else self.bias.to(x.dtype))
 
     def prepare_kernels(self) -> None:
