@@ -37,7 +37,9 @@ ALL_TASKS = "arc_easy,arc_challenge,hellaswag,winogrande,piqa,boolq,mmlu,gsm8k"
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
-    parser.add_argument("--runs", nargs="+", default=["rtn:64", "gptq:64:ao", "awq:64:asym", "qqq:64:a8"])
+    parser.add_argument("--runs", nargs="+", default=["fp", "rtn:64", "gptq:64:ao", "awq:64:asym", "qqq:64:a8"],
+                        help="fp (unquantized) or METHOD:GROUP[:a8][:asym][:ao]")
+    parser.add_argument("--first-index", type=int, default=0, help="REPORT/models/N.json numbering (to add runs)")
     parser.add_argument("--tasks", default=ALL_TASKS, help="comma-separated, NAME or NAME:ITEMS")
     parser.add_argument("--limit", type=int, default=None, help="items per task without its own count")
     parser.add_argument("--windows", type=int, default=None, help="perplexity windows per text (default: all)")
@@ -85,7 +87,7 @@ def evaluate_each(args: argparse.Namespace) -> None:
                 module.cache_dense_weight()
         return quantized, tokenizer, config.label()
 
-    for index, name in enumerate(["fp", *args.runs]):
+    for index, name in enumerate(args.runs, start=args.first_index):
         run_eval([name], texts=None, tasks=args.tasks.split(","), limit=args.limit, num_fewshot=None,
                  generations=True, report_dir=None, json_path=args.report / "models" / f"{index}.json",
                  batch_size=args.batch_size, device=args.device, console=console, loader=loader,
