@@ -91,7 +91,7 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
     if scheme == "w4a16" and b <= 4:  # FMA gemv, one program per x row: the default for a single token
         # half2 first (fp16 on CUDA; the fp32 gemv elsewhere), then the fp32 one; the sweep's best tiles first
         gemv = [_gemv(n, k, bn, bk, warps, kind=kind) for kind in ("gemv_h2", "gemv") for bn, bk, warps in
-                ((64, 128, 4), (64, 256, 4), (128, 256, 4), (128, 64, 8), (128, 128, 8))]
+                ((64, 128, 4), (64, 64, 4), (64, 256, 4), (128, 256, 4), (128, 128, 8))]
         out = gemv + out if b == 1 else out + gemv
     if b >= 256:
         big = "dequant_mm" if scheme == "w4a16" else "int_mm"
