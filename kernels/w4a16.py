@@ -266,6 +266,28 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.constex
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def half2_gemv_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                         group_size: int) -> torch.Tensor:
+    """What `gemv_h2` computes, in PyTorch, rounding where its PTX rounds: x * 2**-6 to fp16; per word and
+    half, 4 fused (q - z) * x + acc rounded once to fp16 each; the two halves to fp32; fp32 from there on.
+    fp32 [M, N] (no bias). The CPU tests check this numerics against float64 (the PTX itself runs only on
+    CUDA, where bench_kernels.py --check compares it with float64)."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    codes = torch.stack([(qweight >> (4 * j)) & 0xF for j in range(8)], dim=1).float()  # [K/8, 8, N]
+    group = torch.arange(0, k, 8, device=x.device) // group_size
+    zero = zeros[group].float()[:, None, :] if zeros is not None else 8.0
+    q = codes - zero
+    xs = (x.half() * 2.0**-6).float().reshape(x.shape[0], k // 8, 8)
+    word_sums = []
+    for lane in (0, 4):  # the low half holds nibbles 0..3, the high half nibbles 4..7
+        acc = torch.zeros(x.shape[0], k // 8, n, dtype=torch.float16, device=x.device)
+        for j in range(lane, lane + 4):
+            acc = (q[None, :, j, :] * xs[:, :, j, None] + acc.float()).half()
+        word_sums.append(acc.float())
+    words = (word_sums[0] + word_sums[1]) * scales[group].float()[None]
+    return words.sum(dim=1) * 64.0
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 

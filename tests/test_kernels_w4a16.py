@@ -120,3 +120,18 @@ def test_candidates_fit_shape_and_group():
     assert candidates("w4a16", 4096, 4096, 4096, 128)[0]["kernel"] == "dequant_mm"
     for cfg in candidates("w4a16", 64, 64, 96, 32):
         assert 96 % cfg["BLOCK_K"] == 0
+
+
+@pytest.mark.parametrize("x_scale", [1.0, 3e4])
+@pytest.mark.parametrize("sym", [True, False])
+def test_half2_gemv_numerics_match_float64(x_scale, sym):
+    """gemv_h2's fp16 rounding (emulated step by step) stays within fp16 tolerance, and finite for
+    activations near the top of the fp16 range (|x| up to 3e4 * 4): the 2**-6 pre-scale prevents overflow."""
+    from quantkit.kernels.w4a16 import half2_gemv_reference
+
+    layer = random_layer(512, 48, 128, torch.float16, sym, bias=False, seed=3)
+    x = (torch.randn(3, 512, generator=torch.Generator().manual_seed(5)) * x_scale).clamp(-65000, 65000).half()
+    zeros = None if sym else layer.zeros
+    out = half2_gemv_reference(x, layer.qweight, layer.scales, zeros, 128)
+    assert out.isfinite().all()
+    assert relative_error(out, reference_w4a16(layer, x)) < TOLERANCE[torch.float16]
