@@ -316,3 +316,41 @@ def test_task_specs_carry_their_own_item_counts():
     for bad in ("gsm8k:0", "gsm8k:x"):
         with pytest.raises(ValueError, match="positive integer"):
             task_limits([bad], None)
+
+
+def test_native_loglikelihoods_equal_lm_evals(tiny_lm):
+    """The same (context, continuation) requests scored by lm-eval's HFLM and by quantkit: equal, so the native
+    tasks' acc / acc_norm compare with lm-eval's. (lm-eval's tasks themselves need the hub; its scorer does not.)"""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer = tiny_lm
+    flat = [r for doc in TOY_DOCS for r in tasks.choice_requests(Prompted("", doc))] + [("하늘이 파란", " 이유는")]
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=3)
+    instances = [Instance("loglikelihood", {}, request, i) for i, request in enumerate(flat)]
+    theirs = [ll for ll, _ in lm.loglikelihood(instances, disable_tqdm=True)]
+    ours = loglikelihoods(model, tokenizer, flat, batch_size=3)
+    assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-9)
+
+
+def test_lm_eval_backend_maps_lm_evals_metrics(tiny_lm, monkeypatch):
+    """backend='lm-eval': lm-eval's result keys ("acc,none", "N/A" stderr, n-samples) become quantkit's metrics."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from quantkit.eval import lm_eval_backend
+
+    model, tokenizer = tiny_lm
+    seen = {}
+
+    def fake_simple_evaluate(model, tasks, num_fewshot, limit):
+        seen.update(tasks=tasks, num_fewshot=num_fewshot, limit=limit, model=model)
+        return {"results": {"arc_easy": {"acc,none": 0.5, "acc_stderr,none": 0.1, "acc_norm,none": 0.25,
+                                         "acc_norm_stderr,none": "N/A"}},
+                "n-samples": {"arc_easy": {"original": 2376, "effective": 20}}}
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", fake_simple_evaluate)
+    metrics, n = lm_eval_backend.evaluate_task(model, tokenizer, tasks.get_task("arc_easy"), limit=20,
+                                               num_fewshot=None, batch_size=4)
+    assert metrics == {"acc": {"value": 0.5, "stderr": 0.1}, "acc_norm": {"value": 0.25, "stderr": None}}
+    assert n == 20 and seen["tasks"] == ["arc_easy"] and seen["num_fewshot"] == 0 and seen["limit"] == 20
+    assert seen["model"].model is model
