@@ -146,31 +146,44 @@ def test_run_eval_end_to_end_on_a_tiny_model(tiny_lm, tmp_path):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_smollm2_against_its_fake_quantized_copy(smollm2, tmp_path):
+def test_smollm2_against_its_gptq_export(smollm2, smollm2_gguf, tmp_path):
+    """The issue's small real run: the GGUF and its GPTQ export, loaded by `quantkit eval`'s own loader, on two
+    dozen items of two tasks; the report folder is complete and the export costs perplexity."""
+    from quantkit.config import QuantConfig
+    from quantkit.data import build_calibration_set, load_passages
+    from quantkit.engine import quantize_model
+    from quantkit.export import export_checkpoint
+    from quantkit.models import get_adapter
+
     _require(task_data.WINOGRANDE)
     model, tokenizer = smollm2
-    models = {"smollm2": model, "smollm2-rtn-w4g32": fake_quantized(model)}
+    quantized = copy.deepcopy(model)
+    config = QuantConfig(method="gptq", group_size=64)
+    calib = build_calibration_set(tokenizer, load_passages(None), nsamples=4, seqlen=128, seed=0)
+    quantize_model(quantized, get_adapter(quantized), calib, config, device="cpu", show_progress=False)
+    export = export_checkpoint(quantized, tokenizer, tmp_path / "gptq", config, "gptq")
+    del quantized
     results = run_eval(
-        list(models),
+        [str(smollm2_gguf), str(export)],
         texts=None,
         tasks=["arc_easy", "winogrande"],
-        limit=16,
+        limit=24,
         num_fewshot=None,
         generations=True,
-        report_dir=tmp_path,
+        report_dir=tmp_path / "report",
         json_path=None,
         batch_size=16,
         device="cpu",
         seqlen=128,
         console=Console(quiet=True),
-        loader=lambda name: (models[name], tokenizer, name),
         prompts=load_prompts()[:2],
         max_new_tokens=8,
         max_windows=2,
     )
-    _check_report_dir(tmp_path, results)
-    fp, rtn = results["models"]
+    _check_report_dir(tmp_path / "report", results)
+    fp, gptq = results["models"]
+    assert gptq["label"] == "gptq" and gptq["tasks"]["winogrande"]["n"] == 24
     assert fp["tasks"]["arc_easy"]["metrics"]["acc"]["value"] >= 0.3  # chance is 0.25
     assert 1 < fp["perplexity"]["heldout_en"]["ppl"] < 60
-    assert rtn["perplexity"]["heldout_en"]["ppl"] > fp["perplexity"]["heldout_en"]["ppl"]
-    assert all(fp["generations"])
+    assert gptq["perplexity"]["heldout_en"]["ppl"] > fp["perplexity"]["heldout_en"]["ppl"]
+    assert all(fp["generations"]) and all(gptq["generations"])
