@@ -195,10 +195,10 @@ def _half2_word_dots(x_ptr, x_base, rows, words, z, HAS_ZEROS: tl.constexpr):
         zz = zh | (zh << 16)
     else:
         zz = tl.zeros_like(words) + 0x64086408  # 1024 + 8, twice
-    none = tl.zeros_like(words)
+    tile = tl.zeros_like(words)  # broadcasts each row's x pair across the row
     return tl.inline_asm_elementwise(
         _WORD_DOT_PTX, "=r,r,r,r,r,r,r",
-        [words, p0[:, None] + none, p1[:, None] + none, p2[:, None] + none, p3[:, None] + none, zz],
+        [words, p0[:, None] + tile, p1[:, None] + tile, p2[:, None] + tile, p3[:, None] + tile, zz],
         dtype=tl.float32, is_pure=True, pack=1)
 
 
