@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from quantkit.kernels import make_kernel_forward
+from quantkit.kernels.autotune import GEMV_KERNELS
 
 from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
 
@@ -251,9 +252,6 @@ GEMV_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 3),
 SMALL_MS = (1, 4, 16, 64, 256)
 
 
-GEMV_KINDS = ("gemv_h2", "gemv")
-
-
 def gemv_sweep_configs(m: int, n: int, k: int, group: int, kind: str = "gemv") -> list[dict]:
     """Every gemv tile with every power-of-two split that leaves each split at least two K tiles."""
     from quantkit.kernels.autotune import _fits
@@ -330,7 +328,7 @@ def check_odd_shapes(log) -> int:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = reference(layer, x)
             sliced = [c for c in candidates("w4a16", m, n, k, layer.group_size) if c["kernel"] == "gemm_sliced"]
-            gemvs = [c for kind in GEMV_KINDS for c in gemv_sweep_configs(m, n, k, layer.group_size, kind)[::14]]
+            gemvs = [c for kind in GEMV_KERNELS for c in gemv_sweep_configs(m, n, k, layer.group_size, kind)[::14]]
             for cfg in gemvs + sliced[:3]:  # each is a compile
                 err = _checked_err(layer, x, cfg, ref, log)
                 if not err < tol:
@@ -385,16 +383,16 @@ def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: f
     xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
     runners = [config_runner(la) for la in layers]
     ref = reference(layers[0], xs[0])
-    tiled = [c for c in candidates(scheme, m, n, k, 128) if c["kernel"] not in GEMV_KINDS]
-    gemvs = [c for kind in GEMV_KINDS for c in gemv_sweep_configs(m, n, k, 128, kind)]
+    tiled = [c for c in candidates(scheme, m, n, k, 128) if c["kernel"] not in GEMV_KERNELS]
+    gemvs = [c for kind in GEMV_KERNELS for c in gemv_sweep_configs(m, n, k, 128, kind)]
     configs = tiled + (gemvs if m <= 4 and scheme == "w4a16" else [])
     failures = 0
     for cfg in configs:
-        if time.time() - t_start > budget_s and cfg["kernel"] in GEMV_KINDS:
+        if time.time() - t_start > budget_s and cfg["kernel"] in GEMV_KERNELS:
             break
         compiles_before = len(_gemv_compiles())
         err = _checked_err(layers[0], xs[0], cfg, ref, log)
-        res = _resources(cfg, seen, compiles_before) if cfg["kernel"] in GEMV_KINDS else {}
+        res = _resources(cfg, seen, compiles_before) if cfg["kernel"] in GEMV_KERNELS else {}
         if not err < 2e-3:
             failures += 1
             log(f"FAIL {scheme} {shape} M={m} {cfg}: rel err {err:.2e}")
@@ -417,7 +415,8 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="check every config against float64 first")
     parser.add_argument("--schemes", nargs="+", default=["w4a16", "w4a8"])
     parser.add_argument("--group", type=int, default=128)
-    parser.add_argument("--ms", type=int, nargs="+", default=list(MS))
+    parser.add_argument("--ms", type=int, nargs="+", default=None,
+                        help=f"default: {MS} ({SMALL_MS} with --sweep-small-m)")
     parser.add_argument("--sweep-small-m", action="store_true",
                         help="only check and time every small-M config for M in 1..256 (w4a16 g128)")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop the sweep's gemv timings after this")
@@ -441,8 +440,7 @@ def main() -> int:
                 triton=triton.__version__)
     torch.manual_seed(0)
     if args.sweep_small_m:
-        ms = tuple(args.ms) if args.ms != list(MS) else SMALL_MS
-        return int(sweep_small_m(log, args.out, args.budget_s, args.schemes, ms) > 0)
+        return int(sweep_small_m(log, args.out, args.budget_s, args.schemes, tuple(args.ms or SMALL_MS)) > 0)
     if args.check:
         t0 = time.time()
         failures = check_correctness(log, args.schemes)
@@ -453,7 +451,7 @@ def main() -> int:
     results, layers = [], {}
     for scheme in args.schemes:
         for shape, (k, n) in SHAPES.items():
-            for m in args.ms:
+            for m in args.ms or MS:
                 t0 = time.time()
                 row = dict(scheme=scheme, shape=shape, K=k, N=n, M=m, group=args.group, device=meta["device"],
                            **bench_cell(scheme, k, n, m, args.group, layers))

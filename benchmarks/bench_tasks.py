@@ -59,7 +59,8 @@ def main() -> None:
 
 def merge(report_dir: Path) -> None:
     """One report (JSON, Markdown, plots) from the per-model results, fp first."""
-    parts = [json.loads(p.read_text(encoding="utf-8")) for p in sorted((report_dir / "models").glob("*.json"), key=lambda p: int(p.stem))]
+    files = sorted((report_dir / "models").glob("*.json"), key=lambda p: int(p.stem))
+    parts = [json.loads(p.read_text(encoding="utf-8")) for p in files]
     merged = {**parts[0], "models": [entry for part in parts for entry in part["models"]]}
     merged["config"]["models"] = [entry["model"] for entry in merged["models"]]
     report.write_report(merged, report_dir)

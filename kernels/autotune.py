@@ -45,6 +45,7 @@ def _tile(kernel: str, block_m: int, block_n: int, block_k: int, warps: int, sta
                 num_warps=warps, num_stages=stages)
 
 
+GEMV_KERNELS = ("gemv_h2", "gemv")  # half2 PTX (fp16 on CUDA; the fp32 gemv elsewhere), then fp32 FMAs
 GEMV_PROGRAMS_PER_SM = 4  # decode is bandwidth bound: several resident programs per SM hide DRAM latency
 
 
@@ -89,8 +90,8 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
             if cfg["SPLIT_K"] > 1:  # the heuristic split and one half as deep
                 out.append({**cfg, "SPLIT_K": cfg["SPLIT_K"] // 2})
     if scheme == "w4a16" and b <= 4:  # FMA gemv, one program per x row: the default for a single token
-        # half2 first (fp16 on CUDA; the fp32 gemv elsewhere), then the fp32 one; the sweep's best tiles first
-        gemv = [_gemv(n, k, bn, bk, warps, kind=kind) for kind in ("gemv_h2", "gemv") for bn, bk, warps in
+        # half2 first, then the fp32 one; the sweep's best tiles first
+        gemv = [_gemv(n, k, bn, bk, warps, kind=kind) for kind in GEMV_KERNELS for bn, bk, warps in
                 ((64, 128, 4), (64, 64, 4), (64, 256, 4), (128, 256, 4), (128, 128, 8))]
         out = gemv + out if b == 1 else out + gemv
     if b >= 256:

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .autotune import GEMV_KERNELS
+
 MAGIC_F32 = tl.constexpr(8388608.0)  # 2**23: OR-ing an integer below 2**23 into its mantissa adds it exactly
 
 
@@ -330,7 +332,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     flags = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
                  BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                  num_warps=config["num_warps"], num_stages=config["num_stages"])
-    if config["kernel"] in ("gemv", "gemv_h2"):
+    if config["kernel"] in GEMV_KERNELS:
         half2 = config["kernel"] == "gemv_h2" and x.dtype == torch.float16 and not _interpreting()
         _w4a16_gemv_kernel[(m, triton.cdiv(n, config["BLOCK_N"]), split)](*args, SPLIT_K=split,
                                                                           IS_SPLIT=split > 1, HALF2=half2, **flags)
