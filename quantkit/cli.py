@@ -61,6 +61,13 @@ def resolve_group_size(model, adapter, requested: str) -> int:
     return -1
 
 
+def default_nsamples(device: str) -> int:
+    """128 calibration samples (the GPTQ/AWQ papers' count) on a GPU; 32 on the CPU, where the
+    statistics forward passes dominate (SmolLM2-135M on 2 cores: ~9.5 min for 128, ~2.5 min for 32;
+    with act-order, 32 samples still reach a lower held-out perplexity than 128 without it)."""
+    return 128 if torch.device(device).type == "cuda" else 32
+
+
 def _has_module(layer, name: str) -> bool:
     try:
         layer.get_submodule(name)
@@ -84,11 +91,12 @@ def quantize(
     bits: Annotated[int, typer.Option(help="weight bits: 4 or 8")] = 4,
     group_size: Annotated[str, typer.Option(help="-1 (per channel), 32, 64, 128 or auto")] = "auto",
     asym: Annotated[bool, typer.Option("--asym", help="asymmetric (zero-point) weights")] = False,
-    act_order: Annotated[bool, typer.Option("--act-order", help="GPTQ act-order (static groups)")] = False,
+    act_order: Annotated[bool, typer.Option("--act-order/--no-act-order",
+                                            help="GPTQ act-order with static groups (no inference cost)")] = True,
     act_bits: Annotated[int, typer.Option(help="16 (W4A16) or 8 (W4A8, per-token int8 activations)")] = 16,
     format: Annotated[Format, typer.Option("--format", help="checkpoint format")] = Format.compressed_tensors,
     calib: Annotated[str | None, typer.Option(help="calibration .txt/.jsonl or wikitext2/c4/pileval")] = None,
-    nsamples: Annotated[int, typer.Option(help="calibration samples")] = 128,
+    nsamples: Annotated[int | None, typer.Option(help="calibration samples (default 128; 32 on the CPU)")] = None,
     seqlen: Annotated[int, typer.Option(help="tokens per calibration sample")] = 512,
     seed: Annotated[int, typer.Option(help="calibration sampling seed")] = 0,
     chat_template: Annotated[bool, typer.Option(help="wrap calibration text in the chat template")] = False,
@@ -129,6 +137,8 @@ def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format
     from quantkit.models.loading import default_dtype
 
     work_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if nsamples is None:
+        nsamples = default_nsamples(work_device)
     if output is None:
         name = Path(model).stem if model else "smollm2-135m"
         output = Path("out") / f"{name}-{method}-w{bits}a{act_bits}-g{group_size}"
@@ -138,12 +148,13 @@ def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format
                                allow_pickle=allow_pickle)
     adapter = get_adapter(lm)
     config = QuantConfig(method=method, bits=bits, group_size=resolve_group_size(lm, adapter, group_size),
-                         sym=not asym, act_order=act_order, act_bits=act_bits, damp_percent=damp,
+                         sym=not asym, act_order=act_order and method in ("gptq", "qqq"), act_bits=act_bits, damp_percent=damp,
                          mse=mse, awq_duo_scaling=duo_scaling, awq_clip=clip, smooth_steps=smooth_steps,
                          smooth_samples=smooth_samples).validate()
     get_format(format.value).check(config)
     console.print(f"[bold]{lm.config.model_type}[/] {config.method} W{config.bits}A{config.act_bits} "
-                  f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format.value}")
+                  f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format.value}, "
+                  f"{nsamples} x {seqlen} calibration tokens on {work_device}")
     calib_set = build_calibration_set(tokenizer, load_passages(calib), nsamples, seqlen, seed, chat_template)
     before = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
     report = quantize_model(lm.cpu(), adapter, calib_set, config, device=work_device, batch_size=batch_size)

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from typer.testing import CliRunner
 
-from quantkit.cli import app
+from quantkit.cli import app, default_nsamples
 
 runner = CliRunner()
 
@@ -64,6 +64,25 @@ def test_quantize_writes_a_gptq_checkpoint(tiny_llama, tmp_path) -> None:
     assert (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
     meta = json.loads((out / "quantkit.json").read_text())
     assert meta["quant_config"]["act_order"] is True and len(meta["report"]["layers"]) == 2
+
+
+def test_act_order_is_the_default_and_can_be_turned_off(tiny_llama, tmp_path) -> None:
+    for flag, expected in (((), True), (("--no-act-order",), False)):
+        out = tmp_path / f"q{expected}"
+        result = _quantize(str(tiny_llama), "--group-size", "32", *flag, "--output", str(out))
+        assert result.exit_code == 0, result.output
+        assert json.loads((out / "quantkit.json").read_text())["quant_config"]["act_order"] is expected
+
+
+def test_rtn_records_no_act_order(tiny_llama, tmp_path) -> None:
+    out = tmp_path / "q"
+    assert _quantize(str(tiny_llama), "--method", "rtn", "--output", str(out)).exit_code == 0
+    assert json.loads((out / "quantkit.json").read_text())["quant_config"]["act_order"] is False
+
+
+def test_default_calibration_samples_follow_the_device() -> None:
+    assert default_nsamples("cuda") == 128 and default_nsamples("cuda:1") == 128
+    assert default_nsamples("cpu") == 32
 
 
 def test_asym_to_gptq_is_refused_before_any_work(tiny_llama, tmp_path) -> None:
