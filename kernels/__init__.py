@@ -100,6 +100,9 @@ def make_kernel_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
         log.info("QuantLinear(%s) keeps the reference path: %s", layer.extra_repr(), reason)
         return None
     _register_ops()
+    from .w4a16 import tile_counters
+
+    tile_counters(layer.qweight.device)  # allocated now, never inside a CUDA-graph capture
     k, n, group, dtype = layer.in_features, layer.out_features, layer.group_size, layer.scales.dtype
     zeros = None if bool((layer.zeros == 8).all()) else layer.zeros  # symmetric: the kernels use 8
     qweight, bias = layer.qweight, layer.bias

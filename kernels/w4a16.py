@@ -19,8 +19,8 @@ Three paths, chosen per M bucket by quantkit.kernels.autotune:
   gemm        tiled tl.dot (tensor cores) on weights dequantized in registers; split-K for small grids.
   dequant_mm  M large: dequantize the whole weight once, then cuBLAS (vLLM does the same for AWQ above
               a token threshold); the dequant costs ~K*N*2.5 bytes, small next to a compute-bound GEMM.
-Split-K programs write fp32 partials that `splitk_reduce` sums (plus bias) into the output: two launches,
-no atomics, deterministic.
+Split-K programs write fp32 partials; the last program of each output tile to finish (a per-tile counter)
+sums them in split order into the output: one launch, deterministic.
 
 Numerics match QuantLinear.reference_forward: w = (q - zero) * scale rounded once to the activation dtype
 (products of a 4-bit integer and a 16-bit scale are exact in fp32, so rounding once is the same thing),
@@ -29,6 +29,7 @@ fp32 accumulation.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -78,17 +79,31 @@ def dequant_tile(words, s, z, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _store_output(acc, out_ptr, part_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k,
-                  SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """acc [BM, BN] fp32: final output (bias added, cast) or one split's fp32 partial."""
+def _store_output(acc, out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, tile, n_splits,
+                  IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc [BM, BN] fp32 -> the output tile (bias added, cast). Split K: each program writes its fp32 partial
+    and counts itself in at the tile's counter; the last to arrive sums the partials in split order
+    (deterministic, the same sum as a separate reduce kernel, without its launch) and resets the counter."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     idx = offs_m[:, None] * N + offs_n[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
+    if IS_SPLIT:
         tl.store(part_ptr + pid_k * M * N + idx, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == n_splits - 1:
+            total = tl.zeros_like(acc)
+            for s in range(n_splits):  # .cg: read the other SMs' partials from L2, never a stale L1 line
+                total += tl.load(part_ptr + s * M * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0)
+            _store_final(total, out_ptr, bias_ptr, offs_n, idx, mask, N, HAS_BIAS)
+    else:
+        _store_final(acc, out_ptr, bias_ptr, offs_n, idx, mask, N, HAS_BIAS)
+
+
+@triton.jit
+def _store_final(acc, out_ptr, bias_ptr, offs_n, idx, mask, N, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -125,7 +140,7 @@ def _sliced_tile(x_ptr, words, s, z, offs_m, m_mask, k0, K, ROWS: tl.constexpr, 
 
 
 @triton.jit
-def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, M, N, K,
+def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                        GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SLICED: tl.constexpr):
@@ -155,7 +170,8 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
                 acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
-    _store_output(acc, out_ptr, part_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, SPLIT_K, HAS_BIAS)
+    _store_output(acc, out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid, SPLIT_K,
+                  SPLIT_K > 1, HAS_BIAS)
 
 
 # x words (pairs 8r+2p, 8r+2p+1, p < 4) -> the pairs (x[8r+j], x[8r+j+4]) that lop3 of nibbles j, j+4 meets,
@@ -205,7 +221,7 @@ def _half2_word_dots(x_ptr, x_base, rows, words, z, HAS_ZEROS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])  # one compile serves every M and split
-def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, M, N, K,
+def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                        GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                        SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IS_SPLIT: tl.constexpr,
                        HALF2: tl.constexpr):
@@ -236,8 +252,8 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
                     partial += (q - (MAGIC_F32 + z * (1 << (4 * i)))) * x[:, None]  # exact: (q - z) * 16**i
             acc += partial * s  # the group scale once per word, after its 8 nibbles are summed
     out = tl.sum(acc, axis=0) * (64.0 if HALF2 else 1.0)
-    _store_output(out[None, :], out_ptr, part_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
-                  1 + IS_SPLIT, HAS_BIAS)
+    _store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
+                  m * tl.num_programs(1) + pid_n, SPLIT_K, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -253,19 +269,6 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, GROUP: tl.constexpr, HAS_ZER
     s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
     w = dequant_tile(words, s, z, w_ptr.dtype.element_ty)
     tl.store(w_ptr + (k0 + tl.arange(0, BLOCK_K))[:, None] * N + offs_n[None, :], w, mask=n_mask[None, :])
-
-
-@triton.jit
-def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def half2_gemv_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -294,14 +297,24 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def splitk_reduce(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """out[m, n] = sum_s partials[s, m, n] (+ bias[n]), cast to out's dtype."""
-    split, m, n = partials.shape
-    block = 1024
-    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-        partials, bias if bias is not None else partials, out, m, n, SPLIT_K=split,
-        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
-    return out
+def split_buffers(split: int, m: int, n: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 partials [split, m, n] and the tile counters of a split-K launch."""
+    return torch.empty(split, m, n, dtype=torch.float32, device=device), tile_counters(device, tiles)
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device, tiles: int = 1 << 16) -> torch.Tensor:
+    """The device's split-K tile counters (int32, zero between launches: the last program of each tile
+    resets its own). One buffer serves every layer and every CUDA-graph replay; make_kernel_forward
+    allocates it eagerly so no capture ever has to. Split-K launches of one device must not run
+    concurrently on two streams (they would share counters)."""
+    counters = _COUNTERS.get(str(device))
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[str(device)] = counters
+    return counters
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -326,20 +339,21 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
     split = config["SPLIT_K"]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    gemv = config["kernel"] in GEMV_KERNELS
+    grid = ((m, triton.cdiv(n, config["BLOCK_N"]), split) if gemv else
+            (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split))
+    part, counters = split_buffers(split, m, n, math.prod(grid[:-1]), x.device) if split > 1 else (out, out)
     args = (x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
-            out, part, m, n, k)
+            out, part, counters, m, n, k)
     flags = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
                  BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                  num_warps=config["num_warps"], num_stages=config["num_stages"])
-    if config["kernel"] in GEMV_KERNELS:
+    if gemv:
         half2 = config["kernel"] == "gemv_h2" and x.dtype == torch.float16 and not _interpreting()
-        _w4a16_gemv_kernel[(m, triton.cdiv(n, config["BLOCK_N"]), split)](*args, SPLIT_K=split,
-                                                                          IS_SPLIT=split > 1, HALF2=half2, **flags)
+        _w4a16_gemv_kernel[grid](*args, SPLIT_K=split, IS_SPLIT=split > 1, HALF2=half2, **flags)
     else:
-        grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split)
         # Triton's CPU interpreter gets bf16 tl.dot wrong (3.9): there, and only there, multiply in fp32.
         upcast = x.dtype == torch.bfloat16 and _interpreting()
         _w4a16_gemm_kernel[grid](*args, BLOCK_M=config["BLOCK_M"], SPLIT_K=split, UPCAST_DOT=upcast,
                                  SLICED=config["kernel"] == "gemm_sliced", **flags)
-    return splitk_reduce(part, bias, out) if split > 1 else out
+    return out

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .w4a16 import MAGIC_F32, _group_rows, _store_output, splitk_reduce
+from .w4a16 import MAGIC_F32, _group_rows, _store_output, split_buffers
 
 ROUND_F32 = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + ROUND_F32 rounds x to an integer (nearest-even) for |x| < 2**22
 
@@ -87,7 +87,7 @@ def _int8_slice(words, s, z, j: tl.constexpr, TWO_LEVEL: tl.constexpr):
 
 @triton.jit
 def _w4a8_gemm_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
-                      M, N, K, GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                      count_ptr, M, N, K, GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SLICED: tl.constexpr):
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -125,7 +125,8 @@ def _w4a8_gemm_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, b
     ts = tl.load(ts_ptr + offs_m, mask=m_mask, other=0.0)
     cs = tl.load(cs_ptr + offs_n, mask=n_mask, other=0.0)
     out = acc.to(tl.float32) * ts[:, None] * cs[None, :]
-    _store_output(out, out_ptr, part_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, SPLIT_K, HAS_BIAS)
+    _store_output(out, out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid, SPLIT_K,
+                  SPLIT_K > 1, HAS_BIAS)
 
 
 @triton.jit
@@ -194,12 +195,13 @@ def w4a8_matmul(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Te
             BLOCK=block, num_warps=4)
         return out
     split = config["SPLIT_K"]
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split)
+    part, counters = split_buffers(split, m, n, grid[0], x.device) if split > 1 else (out, out)
     _w4a8_gemm_kernel[grid](
         xq, ts, xsum, qweight, channel_scales, group_scales if group_scales is not None else channel_scales,
-        zeros if zeros is not None else qweight, bias if bias is not None else channel_scales, out, part, m, n, k,
+        zeros if zeros is not None else qweight, bias if bias is not None else channel_scales, out, part, counters,
+        m, n, k,
         GROUP=group_size, TWO_LEVEL=group_scales is not None, HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
         BLOCK_K=config["BLOCK_K"], SPLIT_K=split, SLICED=config["kernel"] == "gemm_sliced", num_warps=config["num_warps"], num_stages=config["num_stages"])
-    return splitk_reduce(part, bias, out) if split > 1 else out
+    return out

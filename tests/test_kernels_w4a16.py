@@ -9,7 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are d
 import pytest
 import torch
 from quantkit.kernels.autotune import candidates, m_bucket
-from quantkit.kernels.w4a16 import dequantize, w4a16_matmul
+from quantkit.kernels.w4a16 import dequantize, tile_counters, w4a16_matmul
 
 from quantkit.nn.qlinear import QuantLinear, pack_along_rows
 
@@ -100,6 +100,18 @@ def test_gemv_rows_and_runtime_splits(m, split):
     check(layer, m, {**GEMV, "BLOCK_N": 64, "SPLIT_K": split}, seed=m)
 
 
+@pytest.mark.parametrize("config", [{**GEMV, "SPLIT_K": 3}, {**GEMM, "BLOCK_K": 64, "SPLIT_K": 4}])
+def test_split_k_counters_reset_and_repeat_bit_exactly(config):
+    """The in-kernel split-K reduce leaves every tile counter at zero (so the next call, or CUDA-graph
+    replay, starts clean) and sums partials in a fixed order: repeated calls agree bit for bit."""
+    layer = random_layer(512, 40, 64, torch.float16, sym=False, seed=3)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4)).half()
+    outs = [w4a16_matmul(x, layer.qweight, layer.scales, layer.zeros, layer.bias, 64, config) for _ in range(3)]
+    assert not tile_counters(x.device).any()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert relative_error(outs[0], reference_w4a16(layer, x)) < TOLERANCE[torch.float16]
+
+
 def test_gemv_default_split_fills_the_gpu_and_keeps_two_k_tiles():
     for k, n in ((4096, 4096), (14336, 4096), (4096, 28672), (8192, 57344)):
         for cfg in [c for c in candidates("w4a16", 1, n, k, 128) if c["kernel"] in ("gemv", "gemv_h2")]:
@@ -143,7 +155,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from quantkit.kernels.w4a16 import _w4a16_gemv_kernel
 sig = {"x_ptr": "*fp16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "bias_ptr": "*fp16",
-       "out_ptr": "*fp16", "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32",
+       "out_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32",
        "GROUP": "constexpr", "HAS_ZEROS": "constexpr", "HAS_BIAS": "constexpr", "BLOCK_N": "constexpr",
        "BLOCK_K": "constexpr", "IS_SPLIT": "constexpr", "HALF2": "constexpr"}
 for zeros in (False, True):
