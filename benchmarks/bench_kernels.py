@@ -295,20 +295,22 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return err if math.isfinite(err) else float("inf")
 
 
-def _gemv_compiles() -> list:
-    """Compiled gemv variants in compile order (empty if this Triton hides them)."""
+def _gemv_compiles(scheme: str) -> list:
+    """Compiled gemv variants of the scheme in compile order (empty if this Triton hides them)."""
+    from quantkit.kernels.w4a8 import _w4a8_gemv_kernel
     from quantkit.kernels.w4a16 import _w4a16_gemv_kernel
 
+    kernel = _w4a16_gemv_kernel if scheme == "w4a16" else _w4a8_gemv_kernel
     try:
-        return [c for cache in _w4a16_gemv_kernel.device_caches.values() for c in cache[0].values()]
+        return [c for cache in kernel.device_caches.values() for c in cache[0].values()]
     except (AttributeError, IndexError, KeyError, TypeError):
         return []
 
 
-def _resources(cfg: dict, seen: dict, compiles_before: int) -> dict:
+def _resources(scheme: str, cfg: dict, seen: dict, compiles_before: int) -> dict:
     """Registers / spills of cfg's gemv tile, read when its first call compiled a new variant."""
-    tile = (cfg["kernel"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
-    compiles = _gemv_compiles()
+    tile = (scheme, cfg["kernel"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
+    compiles = _gemv_compiles(scheme)
     if tile not in seen and len(compiles) > compiles_before:
         seen[tile] = dict(regs=getattr(compiles[-1], "n_regs", None), spills=getattr(compiles[-1], "n_spills", None))
     return seen.get(tile, {})
@@ -385,14 +387,14 @@ def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: f
     ref = reference(layers[0], xs[0])
     tiled = [c for c in candidates(scheme, m, n, k, 128) if c["kernel"] not in GEMV_KERNELS]
     gemvs = [c for kind in GEMV_KERNELS for c in gemv_sweep_configs(m, n, k, 128, kind)]
-    configs = tiled + (gemvs if m <= 4 and scheme == "w4a16" else [])
+    configs = tiled + (gemvs if m <= 4 else [])
     failures = 0
     for cfg in configs:
         if time.time() - t_start > budget_s and cfg["kernel"] in GEMV_KERNELS:
             break
-        compiles_before = len(_gemv_compiles())
+        compiles_before = len(_gemv_compiles(scheme))
         err = _checked_err(layers[0], xs[0], cfg, ref, log)
-        res = _resources(cfg, seen, compiles_before) if cfg["kernel"] in GEMV_KERNELS else {}
+        res = _resources(scheme, cfg, seen, compiles_before) if cfg["kernel"] in GEMV_KERNELS else {}
         if not err < 2e-3:
             failures += 1
             log(f"FAIL {scheme} {shape} M={m} {cfg}: rel err {err:.2e}")

@@ -89,7 +89,7 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
             out.append(cfg)
             if cfg["SPLIT_K"] > 1:  # the heuristic split and one half as deep
                 out.append({**cfg, "SPLIT_K": cfg["SPLIT_K"] // 2})
-    if scheme == "w4a16" and b <= 4:  # FMA gemv, one program per x row: the default for a single token
+    if b <= 4:  # FMA gemv, one program per x row: the default for a single token
         # half2 first, then the fp32 one; the sweep's best tiles first
         gemv = [_gemv(n, k, bn, bk, warps, kind=kind) for kind in GEMV_KERNELS for bn, bk, warps in
                 ((64, 128, 4), (64, 64, 4), (64, 256, 4), (128, 256, 4), (128, 128, 8))]

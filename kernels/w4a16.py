@@ -189,35 +189,56 @@ mul.rn.f16x2 $2, $2, k;
 mul.rn.f16x2 $3, $3, k;
 }""")
 
-# sum_j (q_j - z) x_j over the 8 nibbles of word $1: x pairs $2..$5, (1024 + z) as fp16x2 in $6; fp32 out.
+# sum_j w_j x_j over the 8 nibbles of word $1, w_j = q_j - z: x pairs $2..$5, (1024 + z) as fp16x2 in $6;
+# fp32 out. ROUND (W4A8 two-level): w_j = round_half_even((q_j - z) * s) with the fp16x2 group scale in $7, as
+# QQQ does: one fma onto 1536 (spacing 1 there) rounds the exact product once, then 1536 comes off exactly.
 _NIBBLE_PAIR = """shr.u32 t, $1, {shift};
 lop3.b32 q, t, 0x000F000F, 0x64006400, 0xEA;
 sub.f16x2 q, q, $6;
-fma.rn.f16x2 a, q, ${pair}, a;
+{round}fma.rn.f16x2 a, q, ${pair}, a;
 """
-_WORD_DOT_PTX = tl.constexpr("{\n.reg .b32 q, t, a;\n.reg .b16 lo, hi;\n.reg .f32 fl, fh;\nmov.b32 a, 0;\n"
-                 + "".join(_NIBBLE_PAIR.format(shift=4 * j, pair=2 + j) for j in range(4))
-                 + "mov.b32 {lo, hi}, a;\ncvt.f32.f16 fl, lo;\ncvt.f32.f16 fh, hi;\nadd.f32 $0, fl, fh;\n}")
+_ROUND_PAIR = "fma.rn.f16x2 q, q, $7, r;\nsub.f16x2 q, q, r;\n"
+
+
+def _word_dot_ptx(round_scale: bool) -> str:
+    pairs = "".join(_NIBBLE_PAIR.format(shift=4 * j, pair=2 + j, round=_ROUND_PAIR if round_scale else "")
+                    for j in range(4))
+    return ("{\n.reg .b32 q, t, a, r;\n.reg .b16 lo, hi;\n.reg .f32 fl, fh;\nmov.b32 a, 0;\n"
+            "mov.b32 r, 0x66006600;\n" + pairs
+            + "mov.b32 {lo, hi}, a;\ncvt.f32.f16 fl, lo;\ncvt.f32.f16 fh, hi;\nadd.f32 $0, fl, fh;\n}")
+
+
+_WORD_DOT_PTX = tl.constexpr(_word_dot_ptx(False))
+_WORD_DOT_ROUND_PTX = tl.constexpr(_word_dot_ptx(True))
 
 
 @triton.jit
-def _half2_word_dots(x_ptr, x_base, rows, words, z, HAS_ZEROS: tl.constexpr):
-    """[ROWS, BN] fp32: 2**-6 * sum over each word's 8 nibbles of (q - z) * x (see gemv_h2 above)."""
+def _fp16_x_pairs(x_ptr, x_base, rows):
+    """The x pairs (x[8r+j], x[8r+j+4]) * 2**-6, j < 4, of each packed row r, as fp16x2 words [ROWS]."""
     xw = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + x_base // 2 + 4 * rows
     x0, x1, x2, x3 = tl.load(xw), tl.load(xw + 1), tl.load(xw + 2), tl.load(xw + 3)
-    p0, p1, p2, p3 = tl.inline_asm_elementwise(_X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x0, x1, x2, x3],
-                                               dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                                               is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(_X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x0, x1, x2, x3],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _half2_word_dots(p0, p1, p2, p3, words, z, s, HAS_ZEROS: tl.constexpr, ROUND: tl.constexpr):
+    """[ROWS, BN] fp32: sum over each word's 8 nibbles of w * x for the x pairs p0..p3 [ROWS] (see gemv_h2
+    above; ROUND: W4A8's two-level int8 weights, s the [ROWS, BN] fp32 group scale, exact in fp16)."""
     if HAS_ZEROS:
         zh = z.to(tl.int32) | 0x6400
         zz = zh | (zh << 16)
     else:
         zz = tl.zeros_like(words) + 0x64086408  # 1024 + 8, twice
     tile = tl.zeros_like(words)  # broadcasts each row's x pair across the row
-    return tl.inline_asm_elementwise(
-        _WORD_DOT_PTX, "=r,r,r,r,r,r,r",
-        [words, p0[:, None] + tile, p1[:, None] + tile, p2[:, None] + tile, p3[:, None] + tile, zz],
-        dtype=tl.float32, is_pure=True, pack=1)
+    q0, q1, q2, q3 = p0[:, None] + tile, p1[:, None] + tile, p2[:, None] + tile, p3[:, None] + tile
+    if ROUND:
+        sh = s.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return tl.inline_asm_elementwise(_WORD_DOT_ROUND_PTX, "=r,r,r,r,r,r,r,r",
+                                         [words, q0, q1, q2, q3, zz, sh | (sh << 16)], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(_WORD_DOT_PTX, "=r,r,r,r,r,r,r", [words, q0, q1, q2, q3, zz],
+                                     dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])  # one compile serves every M and split
@@ -241,7 +262,8 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
         words = tl.load(qw_ptr + (k0 // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
         s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS, True)
         if HALF2:
-            acc += _half2_word_dots(x_ptr, m * K + k0, rows, words, z, HAS_ZEROS) * s
+            p0, p1, p2, p3 = _fp16_x_pairs(x_ptr, m * K + k0, rows)
+            acc += _half2_word_dots(p0, p1, p2, p3, words, z, s, HAS_ZEROS, False) * s
         else:
             partial = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
             for h in tl.static_range(2):  # 16-bit half h of each word holds inputs 8r + 4h + i, i < 4

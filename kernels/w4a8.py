@@ -15,7 +15,9 @@ The product of a 4-bit integer and an fp16 scale is exact in fp32, so adding and
 rounds it once, to nearest-even. (Reading the int8 straight from the low mantissa bits by a bitcast gave
 wrong results inside the tl.dot operand on an H200 with Triton 3.6, though right elsewhere: not used.)
 
-Paths (chosen by quantkit.kernels.autotune): `gemm` (Triton tl.dot on int8, split-K for small grids) and,
+Paths (chosen by quantkit.kernels.autotune): `gemv_h2` / `gemv` for a few tokens (CUDA cores: w4a16's
+half2 word dots on the int8 values, which fp16 holds exactly, with the two-level weights rounded as QQQ
+rounds them; fp32 FMAs under the interpreter), `gemm` (Triton tl.dot on int8, split-K for small grids) and,
 for large M, `int_mm` (widen the weight to int8 once per call, cuBLAS int8 GEMM via torch._int_mm, then a
 scaling epilogue kernel).
 """
@@ -26,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .w4a16 import MAGIC_F32, _group_rows, _store_output, split_buffers
+from .autotune import GEMV_KERNELS
+from .w4a16 import MAGIC_F32, _group_rows, _half2_word_dots, _interpreting, _store_output, split_buffers
 
 ROUND_F32 = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + ROUND_F32 rounds x to an integer (nearest-even) for |x| < 2**22
 
@@ -130,6 +133,52 @@ def _w4a8_gemm_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, b
 
 
 @triton.jit
+def _fp16_pair(xq_ptr, offs, j: tl.constexpr):
+    """int8 x[offs + j] and x[offs + j + 4] as one fp16x2 word (int8 values are exact in fp16)."""
+    lo = tl.load(xq_ptr + offs + j).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = tl.load(xq_ptr + offs + j + 4).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return lo | (hi << 16)
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def _w4a8_gemv_kernel(xq_ptr, ts_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+                      M, N, K, GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      IS_SPLIT: tl.constexpr, HALF2: tl.constexpr):
+    """Decode GEMV on int8 activations, grid and split as w4a16's gemv. HALF2 (CUDA): w4a16's packed half2
+    word dots on the int8 values (exact in fp16; each word's 4 + 4 products summed in fp16, |sum| < 2**16),
+    with QQQ's fp16 rounding of the two-level weights; else fp32 FMAs on the exact int8 products."""
+    m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    ROWS: tl.constexpr = BLOCK_K // 8
+    rows = tl.arange(0, ROWS)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    if not TWO_LEVEL:  # per channel: one zero point for all of K, scale in the epilogue
+        s, z = _group_rows(cs_ptr, z_ptr, 0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS, True)
+    for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+        k0 = t * BLOCK_K
+        words = tl.load(qw_ptr + (k0 // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+        if TWO_LEVEL:
+            s, z = _group_rows(gs_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS, True)
+        x_offs = m * K + k0 + 8 * rows
+        if HALF2:
+            acc += _half2_word_dots(_fp16_pair(xq_ptr, x_offs, 0), _fp16_pair(xq_ptr, x_offs, 1),
+                                    _fp16_pair(xq_ptr, x_offs, 2), _fp16_pair(xq_ptr, x_offs, 3), words, z, s,
+                                    HAS_ZEROS, TWO_LEVEL)
+        else:
+            for j in tl.static_range(8):
+                x = tl.load(xq_ptr + x_offs + j).to(tl.float32)
+                w = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC_F32 + z)
+                if TWO_LEVEL:
+                    w = (w * s + ROUND_F32) - ROUND_F32
+                acc += w * x[:, None]
+    out = tl.sum(acc, axis=0) * tl.load(ts_ptr + m) * tl.load(cs_ptr + offs_n, mask=n_mask, other=0.0)
+    _store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
+                  m * tl.num_programs(1) + pid_n, SPLIT_K, IS_SPLIT, HAS_BIAS)
+
+
+@triton.jit
 def _int8_weight_kernel(qw_ptr, gs_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr,
                         HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Writes the int8 weight transposed, [N, K] (K-major, what cuBLAS' int8 GEMM wants)."""
@@ -195,13 +244,23 @@ def w4a8_matmul(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Te
             BLOCK=block, num_warps=4)
         return out
     split = config["SPLIT_K"]
+    zeros_arg = zeros if zeros is not None else qweight
+    bias_arg = bias if bias is not None else channel_scales
+    flags = dict(GROUP=group_size, TWO_LEVEL=group_scales is not None, HAS_ZEROS=zeros is not None,
+                 HAS_BIAS=bias is not None, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+                 num_warps=config["num_warps"], num_stages=config["num_stages"])
+    if config["kernel"] in GEMV_KERNELS:
+        grid = (m, triton.cdiv(n, config["BLOCK_N"]), split)
+        part, counters = split_buffers(split, m, n, m * grid[1], x.device) if split > 1 else (out, out)
+        _w4a8_gemv_kernel[grid](
+            xq, ts, qweight, channel_scales, group_scales if group_scales is not None else channel_scales,
+            zeros_arg, bias_arg, out, part, counters, m, n, k, SPLIT_K=split, IS_SPLIT=split > 1,
+            HALF2=config["kernel"] == "gemv_h2" and not _interpreting(), **flags)
+        return out
     grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split)
     part, counters = split_buffers(split, m, n, grid[0], x.device) if split > 1 else (out, out)
     _w4a8_gemm_kernel[grid](
         xq, ts, xsum, qweight, channel_scales, group_scales if group_scales is not None else channel_scales,
-        zeros if zeros is not None else qweight, bias if bias is not None else channel_scales, out, part, counters,
-        m, n, k,
-        GROUP=group_size, TWO_LEVEL=group_scales is not None, HAS_ZEROS=zeros is not None,
-        HAS_BIAS=bias is not None, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
-        BLOCK_K=config["BLOCK_K"], SPLIT_K=split, SLICED=config["kernel"] == "gemm_sliced", num_warps=config["num_warps"], num_stages=config["num_stages"])
+        zeros_arg, bias_arg, out, part, counters, m, n, k, BLOCK_M=config["BLOCK_M"], SPLIT_K=split,
+        SLICED=config["kernel"] == "gemm_sliced", **flags)
     return out

@@ -154,22 +154,30 @@ import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from quantkit.kernels.w4a16 import _w4a16_gemv_kernel
-sig = {"x_ptr": "*fp16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "bias_ptr": "*fp16",
-       "out_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32",
-       "GROUP": "constexpr", "HAS_ZEROS": "constexpr", "HAS_BIAS": "constexpr", "BLOCK_N": "constexpr",
-       "BLOCK_K": "constexpr", "IS_SPLIT": "constexpr", "HALF2": "constexpr"}
+from quantkit.kernels.w4a8 import _w4a8_gemv_kernel
+common = {"qw_ptr": "*i32", "z_ptr": "*u8", "bias_ptr": "*fp16", "out_ptr": "*fp16", "part_ptr": "*fp32",
+          "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32", "GROUP": "constexpr",
+          "HAS_ZEROS": "constexpr", "HAS_BIAS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+          "IS_SPLIT": "constexpr", "HALF2": "constexpr"}
+w4a16 = {**common, "x_ptr": "*fp16", "s_ptr": "*fp16"}
+w4a8 = {**common, "xq_ptr": "*i8", "ts_ptr": "*fp32", "cs_ptr": "*fp32", "gs_ptr": "*fp16", "TWO_LEVEL": "constexpr"}
 for zeros in (False, True):
     consts = {"GROUP": 128, "HAS_ZEROS": zeros, "HAS_BIAS": True, "BLOCK_N": 64, "BLOCK_K": 128,
               "IS_SPLIT": True, "HALF2": True}
-    kernel = compile(ASTSource(fn=_w4a16_gemv_kernel, signature=sig, constexprs=consts),
-                     target=GPUTarget("cuda", 90, 32))
-    assert "fma.rn.f16x2" in kernel.asm["ptx"] and kernel.asm["cubin"], zeros
+    builds = [(_w4a16_gemv_kernel, w4a16, consts)] + [
+        (_w4a8_gemv_kernel, w4a8, {**consts, "TWO_LEVEL": two, "GROUP": 128 if two else 4096}) for two in (0, 1)]
+    for fn, sig, constexprs in builds:
+        sig = {name: sig[name] for name in fn.arg_names}
+        kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+        assert "fma.rn.f16x2" in kernel.asm["ptx"] and kernel.asm["cubin"], (fn, zeros)
+        assert "atom" in kernel.asm["ptx"], "split-K counter missing"
 print("compiled")
 """
 
 
 def test_gemv_h2_ptx_assembles_for_sm90():
-    """The interpreter cannot run inline PTX: compile gemv_h2 (sym and asym) for sm_90 with Triton's bundled
+    """The interpreter cannot run inline PTX: compile the W4A16 and W4A8 half2 gemvs (sym and asym, W4A8
+    per-channel and two-level, split K) for sm_90 with Triton's bundled
     ptxas instead, which catches PTX errors without a GPU."""
     import subprocess
     import sys

@@ -43,8 +43,9 @@ def run(layer: QuantLinear, x: torch.Tensor, config: dict) -> torch.Tensor:
 
 GEMM = dict(kernel="gemm", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2)
 # The int_mm path (torch._int_mm) has no CPU kernel: benchmarks/bench_kernels.py --check covers it on CUDA.
+GEMV = dict(kernel="gemv", BLOCK_M=1, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2)
 CONFIGS = [(1, GEMM), (4, {**GEMM, "SPLIT_K": 3}), (21, {**GEMM, "BLOCK_M": 32, "BLOCK_K": 128}),
-           (3, {**GEMM, "kernel": "gemm_sliced", "BLOCK_K": 256})]
+           (3, {**GEMM, "kernel": "gemm_sliced", "BLOCK_K": 256}), (1, GEMV), (3, {**GEMV, "SPLIT_K": 2})]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
