@@ -94,8 +94,7 @@ def run_config(layer: QuantLinear, x: torch.Tensor, cfg: dict) -> torch.Tensor:
 
 
 def check_correctness(log, schemes: list[str]) -> int:
-    """Configs vs float64 (every candidate for the benchmarked fp16 g128 layers, the default elsewhere),
-    then torch.compile and CUDA-graph capture through QuantLinear.forward."""
+    """Configs vs float64 (every candidate for the benchmarked fp16 g128 layers, the default elsewhere)."""
     from quantkit.kernels.autotune import candidates
 
     failures = 0
@@ -122,23 +121,37 @@ def check_correctness(log, schemes: list[str]) -> int:
                 failures += 1
                 log(f"FAIL forward {scheme} g{group} {dtype} sym={sym} m={m}: rel err {err:.2e}")
         log(f"checked {scheme} g{group} {dtype} sym={sym}")
-    # torch.compile and manual CUDA-graph capture through QuantLinear.forward
+    return failures
+
+
+def check_compile_and_graphs(log, schemes: list[str]) -> int:
+    """torch.compile and manual CUDA-graph capture through QuantLinear.forward (M = 1: split-K gemv; M = 8)."""
+    failures = 0
     for scheme, group in [c for c in (("w4a16", 128), ("w4a8", 128), ("w4a8", -1)) if c[0] in schemes]:
         layer = random_layer(2048, 1024, group, scheme, bias=True)
         layer.prepare_kernels()
-        x = torch.randn(8, 2048, device="cuda", dtype=DTYPE)
-        ref = layer(x)
-        compiled = torch.compile(layer, fullgraph=True)
-        ok_compile = torch.allclose(compiled(x), ref, rtol=1e-3, atol=1e-3)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = layer(x)
+        for m in (1, 8):
+            failures += _compile_and_graph(log, layer, scheme, group, m)
+    return failures
+
+
+def _compile_and_graph(log, layer: QuantLinear, scheme: str, group: int, m: int) -> int:
+    """Graph replay runs the kernels again on new inputs (the split-K counters must have reset)."""
+    x = torch.randn(m, 2048, device="cuda", dtype=DTYPE)
+    ref = layer(x)
+    ok_compile = torch.allclose(torch.compile(layer, fullgraph=True)(x), ref, rtol=1e-3, atol=1e-3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    oks = []
+    for _ in range(3):
         x.copy_(torch.randn_like(x))
         graph.replay()
-        ok_graph = torch.allclose(out, layer(x), rtol=1e-3, atol=1e-3)
-        failures += (not ok_compile) + (not ok_graph)
-        log(f"{scheme} g{group}: torch.compile {'ok' if ok_compile else 'FAIL'}, cuda graph {'ok' if ok_graph else 'FAIL'}")
-    return failures
+        oks.append(torch.allclose(out, layer(x), rtol=1e-3, atol=1e-3))
+    ok_graph = all(oks)
+    log(f"{scheme} g{group} M={m}: torch.compile {'ok' if ok_compile else 'FAIL'}, "
+        f"cuda graph {'ok' if ok_graph else 'FAIL'} (3 replays)")
+    return (not ok_compile) + (not ok_graph)
 
 
 def graph_time(calls: list, reps: int = 20) -> float:
@@ -237,7 +250,8 @@ def plot(results: list[dict], path: Path) -> None:
 def markdown(meta: dict, results: list[dict]) -> str:
     lines = [f"# Kernel benchmark ({meta['date']})", "", f"- device: {meta['device']}",
              f"- command: `{meta['command']}`", f"- git commit: {meta['commit']}",
-             f"- torch {meta['torch']}, triton {meta['triton']}", ""]
+             f"- torch {meta['torch']}, triton {meta['triton']}",
+             f"- correctness/compile/graph failures: {meta.get('check_failures')}", ""]
     lines += ["| scheme | shape | M | cuBLAS us | kernel us | speedup | kernel GB/s | kernel TFLOP/s | config |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -438,16 +452,19 @@ def main() -> int:
     except OSError:
         commit = ""
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
+                check_failures=None,
                 command=" ".join(sys.argv), commit=commit or "uncommitted", torch=torch.__version__,
                 triton=triton.__version__)
     torch.manual_seed(0)
     if args.sweep_small_m:
         return int(sweep_small_m(log, args.out, args.budget_s, args.schemes, tuple(args.ms or SMALL_MS)) > 0)
+    failures = check_compile_and_graphs(log, args.schemes)
     if args.check:
         t0 = time.time()
-        failures = check_correctness(log, args.schemes)
+        failures += check_correctness(log, args.schemes)
         log(f"correctness: {failures} failures ({time.time() - t0:.0f}s)")
         (args.out / "tensor_cores.json").write_text(json.dumps(tensor_core_report(), indent=1))
+    meta["check_failures"] = failures
     from quantkit.kernels.autotune import _cache, m_bucket
 
     results, layers = [], {}
@@ -471,7 +488,7 @@ def main() -> int:
     plot(results, args.out / "speedup.png")
     for r in results:
         print(f"{r['scheme']:6s} {r['shape']:12s} M={r['M']:5d} {r['speedup']:5.2f}x {r['kernel_GBps']:6.0f}GB/s")
-    return 0
+    return int(failures > 0)
 
 
 if __name__ == "__main__":
