@@ -80,6 +80,8 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
     # H200 sweep (benchmarks/kernels/sweep_small_m.md): the sliced dots win at M <= 4 (1.1-1.4x over gemm),
     # the reshaped tile from M = 16 on; both stay candidates for the tuner.
     kinds = ("gemm_sliced", "gemm") if b <= 4 else ("gemm", "gemm_sliced")
+    if scheme == "w4a16" and b <= 64:  # half2 PTX dequant of the sliced tile (fp16 on CUDA; sliced elsewhere)
+        kinds += ("gemm_h2",)
     for kernel in kinds:
         for bm, bn, bk, warps, stages in tiles:
             bk = max(bk, bk_min if kernel == "gemm" else sliced_bk_min)

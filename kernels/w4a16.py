@@ -17,6 +17,9 @@ Three paths, chosen per M bucket by quantkit.kernels.autotune:
               by 2**-6 so |sum| <= 4 * 15 * 2**-6 |x|max never overflows; fp32 from the word sum on. Elsewhere
               (bf16, Triton's CPU interpreter, which has no PTX) the fp32 gemv runs instead.
   gemm        tiled tl.dot (tensor cores) on weights dequantized in registers; split-K for small grids.
+              `gemm_sliced`: 8 dots of K = BLOCK_K / 8 on the nibble slices (no reshape of the tile);
+              `gemm_h2` (fp16 on CUDA): the same, each word's 8 slices dequantized by one inline-PTX block
+              (gemv_h2's lop3 pairs, sub.f16x2 and mul.f16x2 by the scale; the same rounding).
   dequant_mm  M large: dequantize the whole weight once, then cuBLAS (vLLM does the same for AWQ above
               a token threshold); the dequant costs ~K*N*2.5 bytes, small next to a compute-bound GEMM.
 Split-K programs write fp32 partials; the last program of each output tile to finish (a per-tile counter)
@@ -116,9 +119,43 @@ def _codes_minus_zero(words, z, j: tl.constexpr, DTYPE: tl.constexpr):
     return ((codes | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC_F32 + z)).to(DTYPE)
 
 
+def _nibbles_ptx(scaled: bool) -> str:
+    """All 8 nibbles of word $8 as fp16 (q - z) [* s]: lop3 of nibbles j, j + 4 gives the fp16x2 pair
+    1024 + q, sub.f16x2 (1024 + z) [$9], mul.f16x2 by the scale pair [$10]; mov splits the pair into
+    outputs $j and $(j+4) (a register rename, no instruction)."""
+    body = ""
+    for j in range(4):
+        src = "$8" if j == 0 else "t"
+        body += (f"shr.u32 t, $8, {4 * j};\n" if j else "") + (
+            f"lop3.b32 q, {src}, 0x000F000F, 0x64006400, 0xEA;\nsub.f16x2 q, q, $9;\n"
+            + ("mul.rn.f16x2 q, q, $10;\n" if scaled else "") + f"mov.b32 {{${j}, ${j + 4}}}, q;\n")
+    return "{\n.reg .b32 q, t;\n" + body + "}"
+
+
+_NIBBLES_PTX = tl.constexpr(_nibbles_ptx(False))
+_NIBBLES_SCALED_PTX = tl.constexpr(_nibbles_ptx(True))
+
+
+@triton.jit
+def _half2_slices(words, s, z, HAS_ZEROS: tl.constexpr, SCALED: tl.constexpr):
+    """The 8 nibble slices [ROWS, BN] of a word tile as fp16 q - z (times s if SCALED), by inline PTX."""
+    if HAS_ZEROS:
+        zh = z.to(tl.int32) | 0x6400
+        zz = zh | (zh << 16)
+    else:
+        zz = tl.zeros_like(words) + 0x64086408
+    if SCALED:
+        sh = s.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return tl.inline_asm_elementwise(_NIBBLES_SCALED_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+                                         [words, zz, sh | (sh << 16)], dtype=(tl.float16,) * 8, is_pure=True,
+                                         pack=1)
+    return tl.inline_asm_elementwise(_NIBBLES_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, zz],
+                                     dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+
+
 @triton.jit
 def _sliced_tile(x_ptr, words, s, z, offs_m, m_mask, k0, K, ROWS: tl.constexpr, SCALE_AFTER: tl.constexpr,
-                 UPCAST_DOT: tl.constexpr):
+                 UPCAST_DOT: tl.constexpr, HALF2: tl.constexpr = False, HAS_ZEROS: tl.constexpr = True):
     """x [:, k0:k0+8*ROWS] @ W for one K tile, as 8 dots of K = ROWS: nibble j of word row r is input
     k0 + 8r + j, so slice j of the weight is [ROWS, BN] in the words' own layout and its x operand a stride-8
     column load. No [R, 8, BN] -> [8R, BN] reshape (a shared-memory layout conversion per tile).
@@ -127,11 +164,16 @@ def _sliced_tile(x_ptr, words, s, z, offs_m, m_mask, k0, K, ROWS: tl.constexpr, 
     rows = tl.arange(0, ROWS)
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((offs_m.shape[0], words.shape[1]), dtype=tl.float32)
+    if HALF2:
+        slices = _half2_slices(words, s, z, HAS_ZEROS, not SCALE_AFTER)
     for j in tl.static_range(8):
         x = tl.load(x_ptr + offs_m[:, None] * K + (k0 + 8 * rows + j)[None, :], mask=m_mask[:, None], other=0.0)
-        w = _codes_minus_zero(words, z, j, dtype)
-        if not SCALE_AFTER:
-            w = (w.to(tl.float32) * s).to(dtype)
+        if HALF2:
+            w = slices[j]
+        else:
+            w = _codes_minus_zero(words, z, j, dtype)
+            if not SCALE_AFTER:
+                w = (w.to(tl.float32) * s).to(dtype)
         if UPCAST_DOT:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -143,7 +185,8 @@ def _sliced_tile(x_ptr, words, s, z, offs_m, m_mask, k0, K, ROWS: tl.constexpr, 
 def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                        GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SLICED: tl.constexpr):
+                       SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SLICED: tl.constexpr,
+                       HALF2: tl.constexpr = False):
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
     # M-blocks of one weight tile are neighbours in launch order, so the weight comes from DRAM once.
@@ -160,7 +203,8 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
         if SLICED:
             s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS,
                                BLOCK_K > GROUP)
-            acc += _sliced_tile(x_ptr, words, s, z, offs_m, m_mask, k0, K, ROWS, BLOCK_K <= GROUP, UPCAST_DOT)
+            acc += _sliced_tile(x_ptr, words, s, z, offs_m, m_mask, k0, K, ROWS, BLOCK_K <= GROUP, UPCAST_DOT,
+                                HALF2, HAS_ZEROS)
         else:
             x = tl.load(x_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :],
                         mask=m_mask[:, None], other=0.0)
@@ -376,6 +420,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     else:
         # Triton's CPU interpreter gets bf16 tl.dot wrong (3.9): there, and only there, multiply in fp32.
         upcast = x.dtype == torch.bfloat16 and _interpreting()
+        half2 = config["kernel"] == "gemm_h2" and x.dtype == torch.float16 and not _interpreting()
         _w4a16_gemm_kernel[grid](*args, BLOCK_M=config["BLOCK_M"], SPLIT_K=split, UPCAST_DOT=upcast,
-                                 SLICED=config["kernel"] == "gemm_sliced", **flags)
+                                 SLICED=config["kernel"] in ("gemm_sliced", "gemm_h2"), HALF2=half2, **flags)
     return out

@@ -153,7 +153,7 @@ GEMV_H2_COMPILE = """
 import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from quantkit.kernels.w4a16 import _w4a16_gemv_kernel
+from quantkit.kernels.w4a16 import _w4a16_gemm_kernel, _w4a16_gemv_kernel
 from quantkit.kernels.w4a8 import _w4a8_gemv_kernel
 common = {"qw_ptr": "*i32", "z_ptr": "*u8", "bias_ptr": "*fp16", "out_ptr": "*fp16", "part_ptr": "*fp32",
           "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32", "GROUP": "constexpr",
@@ -161,15 +161,19 @@ common = {"qw_ptr": "*i32", "z_ptr": "*u8", "bias_ptr": "*fp16", "out_ptr": "*fp
           "IS_SPLIT": "constexpr", "HALF2": "constexpr"}
 w4a16 = {**common, "x_ptr": "*fp16", "s_ptr": "*fp16"}
 w4a8 = {**common, "xq_ptr": "*i8", "ts_ptr": "*fp32", "cs_ptr": "*fp32", "gs_ptr": "*fp16", "TWO_LEVEL": "constexpr"}
+gemm = {**w4a16, "SPLIT_K": "constexpr", "BLOCK_M": "constexpr", "UPCAST_DOT": "constexpr", "SLICED": "constexpr"}
 for zeros in (False, True):
     consts = {"GROUP": 128, "HAS_ZEROS": zeros, "HAS_BIAS": True, "BLOCK_N": 64, "BLOCK_K": 128,
               "IS_SPLIT": True, "HALF2": True}
     builds = [(_w4a16_gemv_kernel, w4a16, consts)] + [
         (_w4a8_gemv_kernel, w4a8, {**consts, "TWO_LEVEL": two, "GROUP": 128 if two else 4096}) for two in (0, 1)]
+    builds += [(_w4a16_gemm_kernel, gemm, {"GROUP": group, "HAS_ZEROS": zeros, "HAS_BIAS": True, "BLOCK_M": 16,
+                "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "UPCAST_DOT": False, "SLICED": True, "HALF2": True})
+               for group in (128, 32)]  # one scale per tile (applied after the dots), per-row scales
     for fn, sig, constexprs in builds:
         sig = {name: sig[name] for name in fn.arg_names}
         kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
-        assert "fma.rn.f16x2" in kernel.asm["ptx"] and kernel.asm["cubin"], (fn, zeros)
+        assert "lop3.b32" in kernel.asm["ptx"] and kernel.asm["cubin"], (fn, zeros)
         assert "atom" in kernel.asm["ptx"], "split-K counter missing"
 print("compiled")
 """
@@ -177,7 +181,7 @@ print("compiled")
 
 def test_gemv_h2_ptx_assembles_for_sm90():
     """The interpreter cannot run inline PTX: compile the W4A16 and W4A8 half2 gemvs (sym and asym, W4A8
-    per-channel and two-level, split K) for sm_90 with Triton's bundled
+    per-channel and two-level, split K) and gemm_h2 (tile and row scales) for sm_90 with Triton's bundled
     ptxas instead, which catches PTX errors without a GPU."""
     import subprocess
     import sys
