@@ -337,25 +337,35 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, GROUP: tl.constexpr, HAS_ZER
     tl.store(w_ptr + (k0 + tl.arange(0, BLOCK_K))[:, None] * N + offs_n[None, :], w, mask=n_mask[None, :])
 
 
+def half2_word_sums(xs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the half2 word dots compute, in PyTorch: per packed row r and output n, the low fp16 lane sums
+    w[r, j] * x[r, j] for j < 4 and the high lane j >= 4, each step one fused multiply-add rounded to fp16;
+    the two lanes are added in fp32. xs [M, K/8, 8] and w [K/8, 8, N]: values exact in fp16. -> [M, K/8, N]."""
+    lanes = []
+    for lane in (0, 4):
+        acc = torch.zeros(xs.shape[0], xs.shape[1], w.shape[2], dtype=torch.float16, device=xs.device)
+        for j in range(lane, lane + 4):
+            acc = (w[None, :, j, :] * xs[:, :, j, None] + acc.float()).half()
+        lanes.append(acc.float())
+    return lanes[0] + lanes[1]
+
+
+def unpacked_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 [K/8, N] -> fp32 codes [K/8, 8, N] (nibble j of row r is input 8r + j)."""
+    return torch.stack([(qweight >> (4 * j)) & 0xF for j in range(8)], dim=1).float()
+
+
 def half2_gemv_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                          group_size: int) -> torch.Tensor:
     """What `gemv_h2` computes, in PyTorch, rounding where its PTX rounds: x * 2**-6 to fp16; per word and
     half, 4 fused (q - z) * x + acc rounded once to fp16 each; the two halves to fp32; fp32 from there on.
     fp32 [M, N] (no bias). The CPU tests check this numerics against float64 (the PTX itself runs only on
     CUDA, where bench_kernels.py --check compares it with float64)."""
-    k, n = qweight.shape[0] * 8, qweight.shape[1]
-    codes = torch.stack([(qweight >> (4 * j)) & 0xF for j in range(8)], dim=1).float()  # [K/8, 8, N]
+    k = qweight.shape[0] * 8
     group = torch.arange(0, k, 8, device=x.device) // group_size
     zero = zeros[group].float()[:, None, :] if zeros is not None else 8.0
-    q = codes - zero
     xs = (x.half() * 2.0**-6).float().reshape(x.shape[0], k // 8, 8)
-    word_sums = []
-    for lane in (0, 4):  # the low half holds nibbles 0..3, the high half nibbles 4..7
-        acc = torch.zeros(x.shape[0], k // 8, n, dtype=torch.float16, device=x.device)
-        for j in range(lane, lane + 4):
-            acc = (q[None, :, j, :] * xs[:, :, j, None] + acc.float()).half()
-        word_sums.append(acc.float())
-    words = (word_sums[0] + word_sums[1]) * scales[group].float()[None]
+    words = half2_word_sums(xs, unpacked_codes(qweight) - zero) * scales[group].float()[None]
     return words.sum(dim=1) * 64.0
 
 

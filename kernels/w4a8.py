@@ -29,7 +29,16 @@ import triton
 import triton.language as tl
 
 from .autotune import GEMV_KERNELS
-from .w4a16 import MAGIC_F32, _group_rows, _half2_word_dots, _interpreting, _store_output, split_buffers
+from .w4a16 import (
+    MAGIC_F32,
+    _group_rows,
+    _half2_word_dots,
+    _interpreting,
+    _store_output,
+    half2_word_sums,
+    split_buffers,
+    unpacked_codes,
+)
 
 ROUND_F32 = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + ROUND_F32 rounds x to an integer (nearest-even) for |x| < 2**22
 
@@ -208,6 +217,23 @@ def _scale_epilogue_kernel(acc_ptr, ts_ptr, cs_ptr, bias_ptr, out_ptr, M, N, HAS
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def half2_w4a8_gemv_reference(xq: torch.Tensor, token_scales: torch.Tensor, qweight: torch.Tensor,
+                              channel_scales: torch.Tensor, group_scales: torch.Tensor | None,
+                              zeros: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    """What the W4A8 `gemv_h2` computes, in PyTorch: the int8 weights (q - z, or QQQ's two-level
+    rne((q - z) * group_scale), both exact), the half2 word sums of their products with the int8 activations
+    (fp16 rounding as the PTX rounds), fp32 over K, then token and channel scales. fp32 [M, N], no bias."""
+    k = qweight.shape[0] * 8
+    rows = torch.arange(0, k, 8, device=xq.device)
+    index = rows // group_size if group_scales is not None else torch.zeros_like(rows)
+    zero = zeros.reshape(-1, qweight.shape[1])[index].float()[:, None, :] if zeros is not None else 8.0
+    w = unpacked_codes(qweight) - zero
+    if group_scales is not None:
+        w = torch.round(w * group_scales[index].float()[:, None, :])
+    words = half2_word_sums(xq.float().reshape(xq.shape[0], k // 8, 8), w)
+    return words.sum(dim=1) * token_scales[:, None] * channel_scales[None, :]
 
 
 def int8_weight(qweight: torch.Tensor, group_scales: torch.Tensor | None, zeros: torch.Tensor | None,

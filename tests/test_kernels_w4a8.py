@@ -79,3 +79,20 @@ def test_two_level_int8_weight_rounds_half_to_even_like_qqq():
     layer.scales[0, :8] = 2.5  # (q - 8) * 2.5 hits .5 ties for odd q - 8
     w = int8_weight(layer.qweight, layer.scales, None, 32)
     torch.testing.assert_close(w.t().double(), int8_codes(layer), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("group", "two_level"), [(-1, False), (32, True), (128, True)])
+@pytest.mark.parametrize("sym", [True, False])
+def test_half2_gemv_numerics_match_float64(group, two_level, sym):
+    """The W4A8 gemv_h2's fp16 word sums (emulated step by step; the PTX runs only on CUDA) stay within fp16
+    tolerance of the exact int32 result, with activations at full int8 range (|x_int8| up to 127)."""
+    from quantkit.kernels.w4a8 import half2_w4a8_gemv_reference
+
+    layer = random_layer(512, 48, group, torch.float16, sym, bias=False, act_bits=8, two_level=two_level, seed=11)
+    x = (20 * torch.randn(3, 512, generator=torch.Generator().manual_seed(2))).half()
+    xq, token_scales, _ = quantize_rows(x)
+    zeros = None if sym else layer.zeros if two_level else layer.zeros[0]
+    channel = layer.channel_scales if two_level else layer.scales[0].float()
+    out = half2_w4a8_gemv_reference(xq, token_scales, layer.qweight, channel, layer.scales if two_level else None,
+                                    zeros, layer.group_size)
+    assert relative_error(out, reference_w4a8(layer, x)) < TOLERANCE[torch.float16]
