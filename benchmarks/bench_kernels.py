@@ -366,6 +366,14 @@ def sweep_small_m(log, out: Path, budget_s: float, schemes: list[str], ms: tuple
             for shape, (k, n) in SHAPES.items():
                 failures += _sweep_cell(log, scheme, shape, k, n, m, t_start, budget_s, rows, seen, candidates)
                 (out / "sweep_small_m.json").write_text(json.dumps(rows, indent=1))
+                (out / "sweep_small_m.md").write_text(sweep_markdown(rows))  # so far: a cut-off run keeps it
+    log(f"correctness failures: {failures}")
+    print("\n".join(line for line in sweep_markdown(rows).splitlines() if "| best |" in line))
+    return failures
+
+
+def sweep_markdown(rows: list[dict]) -> str:
+    """The best config of each kernel kind per (scheme, shape, M), and the best overall."""
     best: dict[tuple, dict] = {}
     for r in rows:
         for key in ((r["scheme"], r["shape"], r["M"], "best"), (r["scheme"], r["shape"], r["M"], r["config"]["kernel"])):
@@ -379,10 +387,7 @@ def sweep_small_m(log, out: Path, budget_s: float, schemes: list[str], ms: tuple
                      f"{r['speedup']:.2f} | {r['GBps']:.0f} | {r.get('regs')} | {r.get('spills')} | "
                      f"{c['kernel']} BM{c.get('BLOCK_M')} BN{c.get('BLOCK_N')} BK{c.get('BLOCK_K')} "
                      f"S{c.get('SPLIT_K')} w{c.get('num_warps')} s{c.get('num_stages')} |")
-    (out / "sweep_small_m.md").write_text("\n".join(lines) + "\n")
-    log(f"correctness failures: {failures}")
-    print("\n".join(line for line in lines if "| best |" in line))
-    return failures
+    return "\n".join(lines) + "\n"
 
 
 def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: float, budget_s: float,
