@@ -285,6 +285,14 @@ def _half2_word_dots(p0, p1, p2, p3, words, z, s, HAS_ZEROS: tl.constexpr, ROUND
                                      dtype=tl.float32, is_pure=True, pack=1)
 
 
+@triton.jit
+def _gemv_program(N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A gemv program's x row, N tile, K split, output columns (and mask) and packed-row indices."""
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.program_id(0), pid_n, tl.program_id(2), offs_n, offs_n < N, tl.arange(0, BLOCK_K // 8)
+
+
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])  # one compile serves every M and split
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                        GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -293,11 +301,8 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
     # SPLIT_K is a runtime argument; IS_SPLIT picks the store (final output or fp32 partial).
     # Rows of x are the fastest grid axis: the programs sharing a weight tile run together and all but
     # the first find it in L2, so the weight crosses DRAM once for any M.
-    m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    m, pid_n, pid_k, offs_n, n_mask, rows = _gemv_program(N, BLOCK_N, BLOCK_K)
     ROWS: tl.constexpr = BLOCK_K // 8
-    rows = tl.arange(0, ROWS)
     # Every tensor is [ROWS, BLOCK_N] in the layout of the coalesced weight load (nibbles are a static
     # loop, not a tensor axis): no layout conversion inside the K loop, one fp32 accumulator per word.
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)

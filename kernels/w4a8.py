@@ -31,6 +31,7 @@ import triton.language as tl
 from .autotune import GEMV_KERNELS
 from .w4a16 import (
     MAGIC_F32,
+    _gemv_program,
     _group_rows,
     _half2_word_dots,
     _interpreting,
@@ -157,11 +158,8 @@ def _w4a8_gemv_kernel(xq_ptr, ts_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, o
     """Decode GEMV on int8 activations, grid and split as w4a16's gemv. HALF2 (CUDA): w4a16's packed half2
     word dots on the int8 values (exact in fp16; each word's 4 + 4 products summed in fp16, |sum| < 2**16),
     with QQQ's fp16 rounding of the two-level weights; else fp32 FMAs on the exact int8 products."""
-    m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    m, pid_n, pid_k, offs_n, n_mask, rows = _gemv_program(N, BLOCK_N, BLOCK_K)
     ROWS: tl.constexpr = BLOCK_K // 8
-    rows = tl.arange(0, ROWS)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     if not TWO_LEVEL:  # per channel: one zero point for all of K, scale in the epilogue
         s, z = _group_rows(cs_ptr, z_ptr, 0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS, True)
