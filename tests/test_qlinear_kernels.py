@@ -68,3 +68,30 @@ def test_tuning_cache_round_trip_and_defaults(tmp_path, monkeypatch):
         raise AssertionError("tuning ran")
 
     assert pick_config("w4a16", x, 512, 256, 128, "z0", never) == candidates("w4a16", 3, 512, 256, 128)[0]
+
+
+def test_moving_a_layer_rebuilds_or_drops_its_kernel_forward(monkeypatch):
+    """model.to(...) reaches QuantLinear._apply: a kernel forward (which holds the old buffers) is dropped,
+    and rebuilt when the layer lands on a GPU, unless QUANTKIT_KERNELS=0."""
+    layer = random_layer(128, 48, 32, torch.float16, sym=True)
+    layer._kernel = lambda x: x  # a stale forward made for other buffers
+    layer.to(torch.float16)
+    assert layer._kernel is None
+    built = []
+    monkeypatch.setattr(QuantLinear, "prepare_kernels", lambda self: built.append(self))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # pretend the move was to a GPU
+    torch.nn.Sequential(layer).to(torch.float16)
+    assert built == [layer]
+    monkeypatch.setenv("QUANTKIT_KERNELS", "0")
+    layer.to(torch.float16)
+    assert built == [layer]
+
+
+def test_a_cached_dense_weight_takes_precedence_over_the_kernel(monkeypatch):
+    layer = random_layer(128, 48, 32, torch.float16, sym=True)
+    x = torch.randn(3, 128, dtype=torch.float16)
+    expected = layer.reference_forward(x)
+    layer.cache_dense_weight()
+    layer._kernel = lambda x: pytest.fail("kernel used although the dense weight is cached")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # as if x were on the GPU
+    torch.testing.assert_close(layer(x), expected)

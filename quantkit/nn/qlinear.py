@@ -15,6 +15,8 @@ On CUDA the Triton kernels in quantkit.kernels run it when they accept the shape
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -120,8 +122,8 @@ class QuantLinear(nn.Module):
 
     def cache_dense_weight(self, enabled: bool = True) -> None:
         """Keep the dequantized weight (same numerics, no unpacking per call): evaluation of small models,
-        where the per-call dequantize's kernel launches cost more than the matmul. Not saved; call again
-        after changing the packed buffers."""
+        where the per-call dequantize's kernel launches cost more than the matmul. While cached, forward uses
+        it instead of the Triton kernels. Not saved; call again after changing the packed buffers."""
         self.dense_weight = self.dequantized_weight() if enabled else None
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,13 +134,24 @@ class QuantLinear(nn.Module):
                                     None if self.bias is None else self.bias.to(x.dtype))
 
     def prepare_kernels(self) -> None:
-        """Build the Triton-kernel forward for this layer's device and shape, if one applies."""
+        """Build the Triton-kernel forward for this layer's device and shape, if one applies. Runs by
+        itself whenever the layer moves (`model.to("cuda")`); QUANTKIT_KERNELS=0 keeps the reference path."""
         from quantkit.kernels import make_kernel_forward
 
         self._kernel = make_kernel_forward(self) if self.qweight.is_cuda else None
 
+    def _wants_kernel(self) -> bool:
+        return self.qweight.is_cuda and os.environ.get("QUANTKIT_KERNELS", "1") != "0"
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self._kernel = None  # it holds the buffers of the old device / dtype
+        if self._wants_kernel():
+            self.prepare_kernels()
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel is not None and x.is_cuda:
+        if self._kernel is not None and self.dense_weight is None and x.is_cuda:
             return self._kernel(x)
         return self.reference_forward(x)
 
