@@ -95,3 +95,14 @@ def test_a_cached_dense_weight_takes_precedence_over_the_kernel(monkeypatch):
     layer._kernel = lambda x: pytest.fail("kernel used although the dense weight is cached")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # as if x were on the GPU
     torch.testing.assert_close(layer(x), expected)
+
+
+def test_copies_and_pickles_never_share_the_kernel_forward():
+    import copy
+    import pickle
+
+    layer = random_layer(128, 48, 32, torch.float16, sym=True)
+    layer._kernel = lambda x: x  # a closure over this layer's buffers (and not picklable)
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert clone._kernel is None and torch.equal(clone.qweight, layer.qweight)
+    assert layer._kernel is not None

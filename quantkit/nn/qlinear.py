@@ -150,6 +150,15 @@ class QuantLinear(nn.Module):
             self.prepare_kernels()
         return self
 
+    def __getstate__(self) -> dict:
+        # the kernel forward is a closure over this layer's buffers: never copied or pickled, rebuilt
+        return {**self.__dict__, "_kernel": None}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if self._wants_kernel():
+            self.prepare_kernels()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None and self.dense_weight is None and x.is_cuda:
             return self._kernel(x)
