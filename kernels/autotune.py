@@ -92,9 +92,12 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
             if cfg["SPLIT_K"] > 1:  # the heuristic split and one half as deep
                 out.append({**cfg, "SPLIT_K": cfg["SPLIT_K"] // 2})
     if b <= 4:  # FMA gemv, one program per x row: the default for a single token
-        # half2 first, then the fp32 one; the sweep's best tiles first
-        gemv = [_gemv(n, k, bn, bk, warps, kind=kind) for kind in GEMV_KERNELS for bn, bk, warps in
-                ((64, 128, 4), (64, 64, 4), (64, 256, 4), (128, 256, 4), (128, 128, 8))]
+        # half2 first, then the fp32 one; the H200 sweeps' best tiles first (W4A8: BK 256 in every shape,
+        # benchmarks/kernels/sweep_small_m_2026-12-03.md)
+        tiles = ((64, 128, 4), (64, 64, 4), (64, 256, 4), (128, 256, 4), (128, 128, 8))
+        if scheme == "w4a8":
+            tiles = ((64, 256, 4), *[t for t in tiles if t != (64, 256, 4)])
+        gemv = [_gemv(n, k, bn, bk, warps, kind=kind) for kind in GEMV_KERNELS for bn, bk, warps in tiles]
         out = gemv + out if b == 1 else out + gemv
     if b >= 256:
         big = "dequant_mm" if scheme == "w4a16" else "int_mm"
