@@ -137,17 +137,36 @@ _NIBBLES_SCALED_PTX = tl.constexpr(_nibbles_ptx(True))
 
 
 @triton.jit
-def _half2_slices(words, s, z, HAS_ZEROS: tl.constexpr, SCALED: tl.constexpr):
-    """The 8 nibble slices [ROWS, BN] of a word tile as fp16 q - z (times s if SCALED), by inline PTX."""
+def _fp16_bits(v):
+    """v rounded to fp16, its 16 bits in the low half of an int32."""
+    return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _fp16x2(v):
+    """v as fp16 in both halves of an int32 (an fp16x2 operand)."""
+    bits = _fp16_bits(v)
+    return bits | (bits << 16)
+
+
+@triton.jit
+def _zero_pairs(words, z, HAS_ZEROS: tl.constexpr):
+    """1024 + z as fp16x2 per word (z = 8 when symmetric): what lop3's 1024 + q pairs subtract."""
     if HAS_ZEROS:
         zh = z.to(tl.int32) | 0x6400
-        zz = zh | (zh << 16)
+        pairs = zh | (zh << 16)
     else:
-        zz = tl.zeros_like(words) + 0x64086408
+        pairs = tl.zeros_like(words) + 0x64086408
+    return pairs
+
+
+@triton.jit
+def _half2_slices(words, s, z, HAS_ZEROS: tl.constexpr, SCALED: tl.constexpr):
+    """The 8 nibble slices [ROWS, BN] of a word tile as fp16 q - z (times s if SCALED), by inline PTX."""
+    zz = _zero_pairs(words, z, HAS_ZEROS)
     if SCALED:
-        sh = s.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         return tl.inline_asm_elementwise(_NIBBLES_SCALED_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-                                         [words, zz, sh | (sh << 16)], dtype=(tl.float16,) * 8, is_pure=True,
+                                         [words, zz, _fp16x2(s)], dtype=(tl.float16,) * 8, is_pure=True,
                                          pack=1)
     return tl.inline_asm_elementwise(_NIBBLES_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, zz],
                                      dtype=(tl.float16,) * 8, is_pure=True, pack=1)
@@ -269,17 +288,12 @@ def _fp16_x_pairs(x_ptr, x_base, rows):
 def _half2_word_dots(p0, p1, p2, p3, words, z, s, HAS_ZEROS: tl.constexpr, ROUND: tl.constexpr):
     """[ROWS, BN] fp32: sum over each word's 8 nibbles of w * x for the x pairs p0..p3 [ROWS] (see gemv_h2
     above; ROUND: W4A8's two-level int8 weights, s the [ROWS, BN] fp32 group scale, exact in fp16)."""
-    if HAS_ZEROS:
-        zh = z.to(tl.int32) | 0x6400
-        zz = zh | (zh << 16)
-    else:
-        zz = tl.zeros_like(words) + 0x64086408  # 1024 + 8, twice
+    zz = _zero_pairs(words, z, HAS_ZEROS)
     tile = tl.zeros_like(words)  # broadcasts each row's x pair across the row
     q0, q1, q2, q3 = p0[:, None] + tile, p1[:, None] + tile, p2[:, None] + tile, p3[:, None] + tile
     if ROUND:
-        sh = s.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         return tl.inline_asm_elementwise(_WORD_DOT_ROUND_PTX, "=r,r,r,r,r,r,r,r",
-                                         [words, q0, q1, q2, q3, zz, sh | (sh << 16)], dtype=tl.float32,
+                                         [words, q0, q1, q2, q3, zz, _fp16x2(s)], dtype=tl.float32,
                                          is_pure=True, pack=1)
     return tl.inline_asm_elementwise(_WORD_DOT_PTX, "=r,r,r,r,r,r,r", [words, q0, q1, q2, q3, zz],
                                      dtype=tl.float32, is_pure=True, pack=1)
@@ -287,10 +301,11 @@ def _half2_word_dots(p0, p1, p2, p3, words, z, s, HAS_ZEROS: tl.constexpr, ROUND
 
 @triton.jit
 def _gemv_program(N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A gemv program's x row, N tile, K split, output columns (and mask) and packed-row indices."""
-    pid_n = tl.program_id(1)
+    """A gemv program's x row, K split, output tile index (for the split-K counters), output columns (and
+    mask) and packed-row indices."""
+    m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return tl.program_id(0), pid_n, tl.program_id(2), offs_n, offs_n < N, tl.arange(0, BLOCK_K // 8)
+    return m, tl.program_id(2), m * tl.num_programs(1) + pid_n, offs_n, offs_n < N, tl.arange(0, BLOCK_K // 8)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])  # one compile serves every M and split
@@ -301,7 +316,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
     # SPLIT_K is a runtime argument; IS_SPLIT picks the store (final output or fp32 partial).
     # Rows of x are the fastest grid axis: the programs sharing a weight tile run together and all but
     # the first find it in L2, so the weight crosses DRAM once for any M.
-    m, pid_n, pid_k, offs_n, n_mask, rows = _gemv_program(N, BLOCK_N, BLOCK_K)
+    m, pid_k, tile, offs_n, n_mask, rows = _gemv_program(N, BLOCK_N, BLOCK_K)
     ROWS: tl.constexpr = BLOCK_K // 8
     # Every tensor is [ROWS, BLOCK_N] in the layout of the coalesced weight load (nibbles are a static
     # loop, not a tensor axis): no layout conversion inside the K loop, one fp32 accumulator per word.
@@ -324,7 +339,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
             acc += partial * s  # the group scale once per word, after its 8 nibbles are summed
     out = tl.sum(acc, axis=0) * (64.0 if HALF2 else 1.0)
     _store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
-                  m * tl.num_programs(1) + pid_n, SPLIT_K, IS_SPLIT, HAS_BIAS)
+                  tile, SPLIT_K, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit

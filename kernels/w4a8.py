@@ -31,6 +31,7 @@ import triton.language as tl
 from .autotune import GEMV_KERNELS
 from .w4a16 import (
     MAGIC_F32,
+    _fp16_bits,
     _gemv_program,
     _group_rows,
     _half2_word_dots,
@@ -145,9 +146,7 @@ def _w4a8_gemm_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, b
 @triton.jit
 def _fp16_pair(xq_ptr, offs, j: tl.constexpr):
     """int8 x[offs + j] and x[offs + j + 4] as one fp16x2 word (int8 values are exact in fp16)."""
-    lo = tl.load(xq_ptr + offs + j).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi = tl.load(xq_ptr + offs + j + 4).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    return lo | (hi << 16)
+    return _fp16_bits(tl.load(xq_ptr + offs + j)) | (_fp16_bits(tl.load(xq_ptr + offs + j + 4)) << 16)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
@@ -158,7 +157,7 @@ def _w4a8_gemv_kernel(xq_ptr, ts_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, o
     """Decode GEMV on int8 activations, grid and split as w4a16's gemv. HALF2 (CUDA): w4a16's packed half2
     word dots on the int8 values (exact in fp16; each word's 4 + 4 products summed in fp16, |sum| < 2**16),
     with QQQ's fp16 rounding of the two-level weights; else fp32 FMAs on the exact int8 products."""
-    m, pid_n, pid_k, offs_n, n_mask, rows = _gemv_program(N, BLOCK_N, BLOCK_K)
+    m, pid_k, tile, offs_n, n_mask, rows = _gemv_program(N, BLOCK_N, BLOCK_K)
     ROWS: tl.constexpr = BLOCK_K // 8
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     if not TWO_LEVEL:  # per channel: one zero point for all of K, scale in the epilogue
@@ -182,7 +181,7 @@ def _w4a8_gemv_kernel(xq_ptr, ts_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, o
                 acc += w * x[:, None]
     out = tl.sum(acc, axis=0) * tl.load(ts_ptr + m) * tl.load(cs_ptr + offs_n, mask=n_mask, other=0.0)
     _store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
-                  m * tl.num_programs(1) + pid_n, SPLIT_K, IS_SPLIT, HAS_BIAS)
+                  tile, SPLIT_K, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit
