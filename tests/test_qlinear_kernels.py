@@ -72,7 +72,7 @@ def test_tuning_cache_round_trip_and_defaults(tmp_path, monkeypatch):
 
 def test_moving_a_layer_rebuilds_or_drops_its_kernel_forward(monkeypatch):
     """model.to(...) reaches QuantLinear._apply: a kernel forward (which holds the old buffers) is dropped,
-    and rebuilt when the layer lands on a GPU, unless QUANTKIT_KERNELS=0."""
+    and rebuilt when the layer lands on a GPU, or loads a state dict there, unless QUANTKIT_KERNELS=0."""
     layer = random_layer(128, 48, 32, torch.float16, sym=True)
     layer._kernel = lambda x: x  # a stale forward made for other buffers
     layer.to(torch.float16)
@@ -82,9 +82,11 @@ def test_moving_a_layer_rebuilds_or_drops_its_kernel_forward(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # pretend the move was to a GPU
     torch.nn.Sequential(layer).to(torch.float16)
     assert built == [layer]
+    layer.load_state_dict(random_layer(128, 48, 32, torch.float16, sym=False).state_dict())
+    assert built == [layer, layer]  # rebuilt: the loaded zero points are no longer symmetric
     monkeypatch.setenv("QUANTKIT_KERNELS", "0")
     layer.to(torch.float16)
-    assert built == [layer]
+    assert built == [layer, layer]
 
 
 def test_a_cached_dense_weight_takes_precedence_over_the_kernel(monkeypatch):

@@ -135,7 +135,9 @@ class QuantLinear(nn.Module):
 
     def prepare_kernels(self) -> None:
         """Build the Triton-kernel forward for this layer's device and shape, if one applies. Runs by
-        itself whenever the layer moves (`model.to("cuda")`); QUANTKIT_KERNELS=0 keeps the reference path."""
+        itself whenever the layer moves (`model.to("cuda")`) or loads a state dict; call it again after
+        editing the packed buffers in place (the forward decides symmetric vs zero points when built).
+        QUANTKIT_KERNELS=0 keeps the reference path."""
         from quantkit.kernels import make_kernel_forward
 
         self._kernel = make_kernel_forward(self) if self.qweight.is_cuda else None
@@ -149,6 +151,11 @@ class QuantLinear(nn.Module):
         if self._wants_kernel():
             self.prepare_kernels()
         return self
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        if self._wants_kernel():  # the new zero points may change the kernel's symmetric shortcut
+            self.prepare_kernels()
 
     def __getstate__(self) -> dict:
         # the kernel forward is a closure over this layer's buffers: never copied or pickled, rebuilt
