@@ -148,8 +148,8 @@ def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format
                                allow_pickle=allow_pickle)
     adapter = get_adapter(lm)
     config = QuantConfig(method=method, bits=bits, group_size=resolve_group_size(lm, adapter, group_size),
-                         sym=not asym, act_order=act_order and method in ("gptq", "qqq"), act_bits=act_bits, damp_percent=damp,
-                         mse=mse, awq_duo_scaling=duo_scaling, awq_clip=clip, smooth_steps=smooth_steps,
+                         sym=not asym, act_order=act_order and method in ("gptq", "qqq"), act_bits=act_bits,
+                         damp_percent=damp, mse=mse, awq_duo_scaling=duo_scaling, awq_clip=clip, smooth_steps=smooth_steps,
                          smooth_samples=smooth_samples).validate()
     get_format(format.value).check(config)
     console.print(f"[bold]{lm.config.model_type}[/] {config.method} W{config.bits}A{config.act_bits} "
