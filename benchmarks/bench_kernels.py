@@ -75,12 +75,13 @@ def reference(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 def config_runner(layer: QuantLinear):
     """run(x, cfg): one explicit config (bypassing the tuner) with the buffers make_kernel_forward would pass,
     prepared here once, so run() has no host sync and can be captured in a CUDA graph."""
+    from quantkit.kernels import swap_weight_for, w4a16_run
     from quantkit.kernels.w4a8 import w4a8_matmul
-    from quantkit.kernels.w4a16 import w4a16_matmul
 
     zeros = None if bool((layer.zeros == 8).all()) else layer.zeros
     if layer.act_bits == 16:
-        return lambda x, cfg: w4a16_matmul(x, layer.qweight, layer.scales, zeros, layer.bias, layer.group_size, cfg)
+        swap = swap_weight_for(layer, zeros is None)
+        return lambda x, cfg: w4a16_run(x, layer.qweight, layer.scales, zeros, layer.bias, layer.group_size, swap, cfg)
     two = layer.channel_scales is not None
     channel = layer.channel_scales if two else layer.scales[0].float()
     zeros = zeros if two or zeros is None else zeros[0].contiguous()
@@ -404,7 +405,7 @@ def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: f
     xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
     runners = [config_runner(la) for la in layers]
     ref = reference(layers[0], xs[0])
-    tiled = [c for c in candidates(scheme, m, n, k, 128) if c["kernel"] not in GEMV_KERNELS]
+    tiled = [c for c in candidates(scheme, m, n, k, 128, swap=scheme == "w4a16") if c["kernel"] not in GEMV_KERNELS]
     gemvs = [c for kind in GEMV_KERNELS for c in gemv_sweep_configs(m, n, k, 128, kind)]
     configs = tiled + (gemvs if m <= 4 else [])
     failures = 0

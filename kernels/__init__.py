@@ -27,18 +27,17 @@ def _register_ops() -> None:
         return
     from .autotune import pick_config
     from .w4a8 import w4a8_matmul
-    from .w4a16 import w4a16_matmul
 
     @torch.library.custom_op("quantkit::w4a16_linear", mutates_args=())
     def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                     bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+                     bias: torch.Tensor | None, group_size: int, swap_weight: torch.Tensor | None) -> torch.Tensor:
         n, k = qweight.shape[1], x.shape[1]
-        flags = f"z{int(zeros is not None)}"
+        flags = f"z{int(zeros is not None)}" + ("swap" if swap_weight is not None else "")
 
         def run(cfg: dict) -> torch.Tensor:
-            return w4a16_matmul(x, qweight, scales, zeros, bias, group_size, cfg)
+            return w4a16_run(x, qweight, scales, zeros, bias, group_size, swap_weight, cfg)
 
-        return run(pick_config("w4a16", x, n, k, group_size, flags, run))
+        return run(pick_config("w4a16", x, n, k, group_size, flags, run, swap=swap_weight is not None))
 
     @torch.library.custom_op("quantkit::w4a8_linear", mutates_args=())
     def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
@@ -55,6 +54,28 @@ def _register_ops() -> None:
     for op in (w4a16_linear, w4a8_linear):
         op.register_fake(lambda x, qweight, *args: x.new_empty(x.shape[0], qweight.shape[1]))
     _OPS_REGISTERED = True
+
+
+def w4a16_run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+              bias: torch.Tensor | None, group_size: int, swap_weight: torch.Tensor | None, cfg: dict) -> torch.Tensor:
+    """One W4A16 call with an explicit config: the swap kernel on its own weight layout, else w4a16.py's."""
+    from .w4a16 import w4a16_matmul
+    from .w4a16_swap import w4a16_swap_matmul
+
+    if cfg["kernel"] == "swap":
+        return w4a16_swap_matmul(x, swap_weight, scales, bias, group_size, cfg)
+    return w4a16_matmul(x, qweight, scales, zeros, bias, group_size, cfg)
+
+
+def swap_weight_for(layer: torch.nn.Module, symmetric: bool) -> torch.Tensor | None:
+    """The swap kernel's copy of a W4A16 layer's weight (0.5 byte per weight more on the GPU), or None when
+    the kernel cannot take the layer or QUANTKIT_SWAP_KERNEL=0."""
+    from .w4a16_swap import repack_for_swap, swap_supported
+
+    k, n = layer.in_features, layer.out_features
+    if os.environ.get("QUANTKIT_SWAP_KERNEL", "1") == "0" or not swap_supported(k, n, layer.group_size, symmetric):
+        return None
+    return repack_for_swap(layer.qweight)
 
 
 def unsupported_reason(layer: torch.nn.Module) -> str | None:
@@ -107,8 +128,10 @@ def make_kernel_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
     zeros = None if bool((layer.zeros == 8).all()) else layer.zeros  # symmetric: the kernels use 8
     qweight, bias = layer.qweight, layer.bias
     if layer.act_bits == 16:
+        swap_weight = swap_weight_for(layer, zeros is None)
+
         def run(x2: torch.Tensor) -> torch.Tensor:
-            return torch.ops.quantkit.w4a16_linear(x2, qweight, layer.scales, zeros, bias, group)
+            return torch.ops.quantkit.w4a16_linear(x2, qweight, layer.scales, zeros, bias, group, swap_weight)
     else:
         channel = (layer.channel_scales if two_level else layer.scales[0]).float().contiguous()
         group_scales = layer.scales if two_level else None

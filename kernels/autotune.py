@@ -64,8 +64,28 @@ def _fits(cfg: dict, k: int, group: int) -> bool:
     return k % bk == 0 and (group % bk == 0 or bk % group == 0)
 
 
-def candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
-    """Configs worth timing for this problem, the heuristic default first. scheme: 'w4a16' or 'w4a8'."""
+SWAP_TILES = ((16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 256, 8, 3),
+              (32, 64, 128, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3),
+              (64, 128, 128, 8, 3), (64, 256, 64, 8, 3))  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+
+
+def swap_candidates(m: int, n: int, k: int, group: int) -> list[dict]:
+    """w4a16_swap's configs for M <= 64 (its BLOCK_M is wgmma's N: the bucket, at least 16)."""
+    block_m = max(16, m_bucket(m))
+    out = []
+    for bm, bn, bk, warps, stages in SWAP_TILES:
+        if bm != block_m or n % bn or k % bk or (group != k and group % bk):
+            continue
+        cfg = _tile("swap", bm, bn, bk, warps, stages, m, n, k)
+        out.append(cfg)
+        if cfg["SPLIT_K"] > 1:
+            out.append({**cfg, "SPLIT_K": cfg["SPLIT_K"] // 2})
+    return out
+
+
+def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = False) -> list[dict]:
+    """Configs worth timing for this problem, the heuristic default first. scheme: 'w4a16' or 'w4a8'.
+    swap: the layer has w4a16_swap's weight layout (W4A16 symmetric; its configs join M <= 64)."""
     b = m_bucket(m)
     out: list[dict] = []
     bk_min = 32 if scheme == "w4a16" else 64  # int8 dot needs K >= 32 per instruction; 64 keeps it fed
@@ -99,6 +119,8 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
             tiles = ((64, 256, 4), *[t for t in tiles if t != (64, 256, 4)])
         gemv = [_gemv(n, k, bn, bk, warps, kind=kind) for kind in GEMV_KERNELS for bn, bk, warps in tiles]
         out = gemv + out if b == 1 else out + gemv
+    if swap and b <= 64:
+        out += swap_candidates(m, n, k, group)
     if b >= 256:
         big = "dequant_mm" if scheme == "w4a16" else "int_mm"
         out.insert(0 if b >= 1024 else len(out), dict(kernel=big))
@@ -161,10 +183,10 @@ def _median_time(fn: Callable[[], object]) -> float:
 
 
 def pick_config(scheme: str, x: torch.Tensor, n: int, k: int, group: int, flags: str,
-                run: Callable[[dict], object]) -> dict:
+                run: Callable[[dict], object], swap: bool = False) -> dict:
     """The config for this call: cached, else tuned (timing run(config) for each candidate), else default."""
     m = x.shape[0]
-    options = candidates(scheme, m, n, k, group)
+    options = candidates(scheme, m, n, k, group, swap)
     if not (x.is_cuda and tuning_enabled()):
         return options[0]
     key = f"{torch.cuda.get_device_name(x.device)}|{scheme}|{x.dtype}|N{n}|K{k}|g{group}|{flags}|M{m_bucket(m)}"

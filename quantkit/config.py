@@ -28,6 +28,8 @@ class QuantConfig:
     smooth_steps: int | None = None  # QQQ thresholds; None: the reference's max(100, max|x| / 0.5)
     # QQQ: calibration sequences its smoothing loss runs on, rounded up to whole calibration batches (None: all)
     smooth_samples: int | None = None
+    # QQQ: keep a layer group's smoothing only if it lowers the block loss after GPTQ too (not only after rounding)
+    smooth_check: bool = True
     # modules never quantized (matched as name suffixes); lm_head and embeddings never are
     ignore: list[str] = field(default_factory=list)
 

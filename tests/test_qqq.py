@@ -26,8 +26,11 @@ from quantkit.quantizers.gptq import gptq_quantize
 from quantkit.quantizers.qqq import (
     PerChannelGrid,
     QQQQuantizer,
+    SmoothingChoice,
     SmoothingProbe,
     candidate_thresholds,
+    confirm_after_gptq,
+    make_grid,
     search_smoothing,
 )
 from quantkit.reload import load_quantized
@@ -110,6 +113,48 @@ def test_threshold_search_is_the_brute_force_argmin() -> None:
     assert choice.loss_unsmoothed == pytest.approx(losses[0], rel=1e-5)
     assert int((choice.scales != 1).sum()) == sum(
         1 for j in range(24) if x[:, j].max() > choice.threshold or x[:, j].min() < -choice.threshold)
+
+
+def outlier_probe() -> tuple[SmoothingProbe, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(192, 32, generator=gen, dtype=torch.float64)
+    x[:, [1, 9]] *= torch.tensor([25.0, -10.0], dtype=torch.float64)
+    w = torch.randn(24, 32, generator=gen, dtype=torch.float64) * 0.05
+    return SmoothingProbe.for_matmul([x[:96], x[96:]], [w], group_size=-1), x, w
+
+
+def test_gptq_loss_is_gptq_on_the_smoothed_problem() -> None:
+    """gptq_loss(s) = block loss of int8(x / s) through GPTQ(W * s) with H = 2 (x/s)^T (x/s) / tokens."""
+    probe, x, w = outlier_probe()
+    config = qqq_config(-1)
+    scales = torch.ones(32, dtype=torch.float64)
+    scales[[1, 9]] = torch.tensor([6.0, 3.0], dtype=torch.float64)
+    xs = x / scales
+    hessian = 2 * xs.T @ xs / x.shape[0]
+    wq = gptq_quantize(w * scales, hessian, config, make_grid(-1)).dequantize(torch.float64)
+    expected = ((fake_int8_tokens(xs) @ wq.T - x @ w.T) ** 2).sum().item() / x.shape[0]
+    assert probe.gptq_loss(scales, config) == pytest.approx(expected, rel=1e-6)
+
+
+def test_smoothing_is_kept_only_if_it_helps_after_gptq(monkeypatch: pytest.MonkeyPatch) -> None:
+    probe, _, _ = outlier_probe()
+    config = qqq_config(-1)
+    choice = search_smoothing(probe, steps=50)
+    assert bool((choice.scales != 1).any())
+    kept = confirm_after_gptq(probe, choice, config)
+    smoothed, unsmoothed = kept.gptq_losses
+    assert smoothed == pytest.approx(probe.gptq_loss(choice.scales, config))
+    assert unsmoothed == pytest.approx(probe.gptq_loss(torch.ones_like(choice.scales), config))
+    assert (kept is choice) == (smoothed < unsmoothed)
+
+    # GPTQ undoing the gain (here: forced) turns the smoothing down: s = 1 and the unsmoothed loss
+    monkeypatch.setattr(SmoothingProbe, "gptq_loss", lambda self, s, c: float((s != 1).sum()))
+    rejected = confirm_after_gptq(probe, choice, config)
+    assert bool((rejected.scales == 1).all()) and rejected.rejected == choice.threshold
+    assert rejected.loss == rejected.loss_unsmoothed == choice.loss_unsmoothed
+    assert rejected.threshold == probe.bound()
+    unscaled = SmoothingChoice(1.0, torch.ones(32), 2.0, 2.0)
+    assert confirm_after_gptq(probe, unscaled, config) is unscaled  # nothing to check
 
 
 def random_layer(out_features: int, in_features: int, seed: int) -> tuple[nn.Linear, torch.Tensor]:

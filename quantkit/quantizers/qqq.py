@@ -50,7 +50,7 @@ from quantkit.models.adapters import ArchAdapter, ScalingGroup
 from quantkit.nn.qlinear import quantize_activations_per_token
 from quantkit.qtensor import QuantizationError, QuantizedWeight, check_group_size, quantize_codes
 from quantkit.quantizers.base import LinearQuantizer, Method, register
-from quantkit.quantizers.gptq import GPTQQuantizer
+from quantkit.quantizers.gptq import GPTQQuantizer, gptq_quantize
 from quantkit.smoothing import active_scaling_groups, fold_scales
 
 if TYPE_CHECKING:
@@ -169,13 +169,32 @@ class SmoothingProbe:
         """Inputs are real-token rows [tokens, in_features]."""
         return cls(inputs, [None] * len(inputs), weights, matmul_block, group_size, loss_batches)
 
+    def bound(self) -> float:
+        """The largest |activation|: the first threshold, at which no channel is scaled."""
+        return max(self.channel_max.max().item(), -self.channel_min.min().item(), 0.0)
+
     def loss(self, scales: torch.Tensor) -> float:
+        """The loss with the smoothed weights rounded to nearest (the search's loss)."""
         weights = [fake_quantize_weight(w * scales.to(w), self.group_size) for w in self.weights]
+        return self.loss_with(scales, weights)
+
+    def loss_with(self, scales: torch.Tensor, weights: list[torch.Tensor]) -> float:
+        """The loss of int8 per-token activations x / scales through the given (smoothed, quantized) weights."""
         total = torch.zeros((), dtype=torch.float64, device=scales.device)
         for i, (x, target) in enumerate(zip(self.inputs, self.targets, strict=True)):
             out = self.block(i, quantize_activations_per_token(x / scales.to(x)), weights)
             total += (out.double() - target.double()).square().sum()
         return total.item() / self.tokens
+
+    def gptq_loss(self, scales: torch.Tensor, config: QuantConfig) -> float:
+        """The loss after QQQ's GPTQ of the smoothed weights, its Hessian from the loss tokens' x / scales."""
+        rows = [_real_rows(x, m).float() / scales.float() for x, m in
+                zip(self.inputs, self.masks[:len(self.inputs)], strict=True)]
+        x = torch.cat(rows)
+        hessian = 2 * x.t() @ x / max(x.shape[0], 1)
+        weights = [gptq_quantize(w * scales.to(w), hessian, config, make_grid(config.group_size)).dequantize(w.dtype)
+                   for w in self.weights]
+        return self.loss_with(scales, weights)
 
 
 def threshold_scales(channel_max: torch.Tensor, channel_min: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -201,16 +220,19 @@ class SmoothingChoice:
     scales: torch.Tensor
     loss: float
     loss_unsmoothed: float  # the loss at the first candidate, s = 1
+    gptq_losses: tuple[float, float] | None = None  # (smoothed, unsmoothed) after GPTQ, when checked
+    rejected: float | None = None  # the searched threshold the GPTQ check turned down
 
     def summary(self) -> dict:
         return {"threshold": self.threshold, "scaled_channels": int((self.scales != 1).sum()),
                 "max_scale": float(self.scales.max()), "loss": self.loss,
-                "loss_unsmoothed": self.loss_unsmoothed}
+                "loss_unsmoothed": self.loss_unsmoothed, "gptq_losses": self.gptq_losses,
+                "rejected_threshold": self.rejected}
 
 
 def search_smoothing(probe: SmoothingProbe, steps: int | None) -> SmoothingChoice:
     """The threshold whose scales minimise probe.loss; the first (largest) of equal losses wins."""
-    bound = max(probe.channel_max.max().item(), -probe.channel_min.min().item(), 0.0)
+    bound = probe.bound()
     best: SmoothingChoice | None = None
     for threshold in candidate_thresholds(bound, steps):
         scales = threshold_scales(probe.channel_max, probe.channel_min, threshold)
@@ -219,6 +241,20 @@ def search_smoothing(probe: SmoothingProbe, steps: int | None) -> SmoothingChoic
             best = SmoothingChoice(threshold, scales, loss, loss if best is None else best.loss_unsmoothed)
     assert best is not None  # candidate_thresholds is never empty
     return best
+
+
+def confirm_after_gptq(probe: SmoothingProbe, choice: SmoothingChoice, config: QuantConfig) -> SmoothingChoice:
+    """Keeps the searched scales only if they also lower the loss once GPTQ (not round-to-nearest) quantizes
+    the weights, as it will: GPTQ's error compensation can undo what smoothing gained under rounding."""
+    if bool((choice.scales == 1).all()):
+        return choice
+    ones = torch.ones_like(choice.scales)
+    smoothed, unsmoothed = probe.gptq_loss(choice.scales, config), probe.gptq_loss(ones, config)
+    choice.gptq_losses = (smoothed, unsmoothed)
+    if smoothed < unsmoothed:
+        return choice
+    return SmoothingChoice(probe.bound(), ones, choice.loss_unsmoothed,
+                           choice.loss_unsmoothed, gptq_losses=choice.gptq_losses, rejected=choice.threshold)
 
 
 class _Stop(Exception):
@@ -342,6 +378,8 @@ class QQQ(Method):
             make_probe = _module_probe if group.inspect else _matmul_probe
             probe = make_probe(ctx, group, self.config.group_size, self._loss_batches(ctx))
             choice = search_smoothing(probe, self.config.smooth_steps)
+            if self.config.smooth_check:
+                choice = confirm_after_gptq(probe, choice, self.config)
             fold_scales(ctx.layer, ctx.adapter, group, choice.scales)
             report[group.prev] = choice.summary()
         return report

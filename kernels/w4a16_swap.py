@@ -1,0 +1,125 @@
+"""W4A16 GEMM for M = 1..64 on Hopper: out^T = W x^T, with the dequantized weight as wgmma's register operand.
+
+Hopper's wgmma takes its A operand from registers or shared memory and its B operand from shared memory only.
+The tiled kernels of w4a16.py put x in A and the weight in B, so every dequantized weight tile is written to
+shared memory, synchronised and read back before its mma: a serial chain per K tile. Swapping the operands
+(out^T [N, M] = W [N, K] @ x^T [K, M]; N fills wgmma's 64-row M side, the few tokens its N = 16..64 side)
+lets the weight stay in registers from dequantization to the mma, and leaves shared memory to what Triton
+pipelines well: cp.async copies of the packed weight and of x, several K tiles ahead.
+
+Triton builds the register operand by hoisting the layout conversion up to the weight's load
+(OptimizeDotOperands, MMAV3HoistLayoutConversion) only through elementwise ops of non-narrowing types, from
+a load or a constant: no broadcast, no int32 -> int16. Hence this kernel's own weight layout, repacked once
+from QuantLinear's K-packed int32 (`repack_for_swap`): int16 [N, K/4], element (n, t) holding in nibble j
+the input k = 64 (t // 16) + 16 j + t % 16. A K tile of the weight is then a contiguous [BLOCK_N, BLOCK_K/4]
+load, nibble slice j of it (shift, mask, OR into the fp16 1024 / bf16 128 mantissa, bitcast, subtract the
+zero) is the weight for the contiguous x columns 16 j + [0, 16) of each 64-input chunk, and all of that is
+elementwise. Symmetric weights only (zero 8: a per-group zero would need a broadcast); groups of 64 or more
+(each K tile inside one group: its fp32 dot result is scaled once) or per channel (scaled once at the end).
+Split-K as in w4a16.py (fused, deterministic).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .w4a16 import _interpreting, _store_output, split_buffers
+
+CHUNK = 64  # inputs per 16 int16 of a weight row: 4 nibble slices of 16 contiguous inputs each
+_CHUNK = tl.constexpr(CHUNK)
+
+
+def repack_for_swap(qweight: torch.Tensor) -> torch.Tensor:
+    """QuantLinear's int32 [K/8, N] (nibble j of row r is input 8r + j) -> int16 [N, K/4] (see module doc)."""
+    k = qweight.shape[0] * 8
+    if k % CHUNK:
+        raise ValueError(f"the swap layout needs K a multiple of {CHUNK}, got {k}")
+    codes = torch.stack([(qweight >> (4 * j)) & 0xF for j in range(8)], dim=1).reshape(k, -1)  # [K, N]
+    # input k = 64 c + 16 j + i -> int16 (c, i), nibble j
+    by_slice = codes.t().reshape(-1, k // CHUNK, 4, 16)  # [N, c, j, i]
+    packed = sum(by_slice[:, :, j, :] << (4 * j) for j in range(4))  # [N, c, i], 16 bits
+    return torch.where(packed >= 2**15, packed - 2**16, packed).reshape(-1, k // 4).to(torch.int16).contiguous()
+
+
+def swap_layout_codes(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse, for tests: int16 [N, K/4] -> codes [K, N] from the layout's definition, element by element."""
+    n, quarter = packed.shape
+    words = packed.to(torch.int32) & 0xFFFF
+    codes = torch.empty(quarter * 4, n, dtype=torch.int32, device=packed.device)
+    for t in range(quarter):
+        for j in range(4):
+            codes[CHUNK * (t // 16) + 16 * j + t % 16] = (words[:, t] >> (4 * j)) & 0xF
+    return codes
+
+
+@triton.jit
+def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                       GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % grid_m, pid // grid_m  # the M blocks of one weight tile run together (L2 reuse)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = tl.arange(0, BLOCK_K // 4)
+    h_ptrs = h_ptr + offs_n[:, None] * (K // 4) + offs_t[None, :]
+    x_ptrs = x_ptr + offs_m[None, :] * K + ((offs_t // 16) * _CHUNK + offs_t % 16)[:, None]  # slice 0, [BK/4, BM]
+    m_mask = offs_m[None, :] < M
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kt in range(pid_k, K // BLOCK_K, SPLIT_K):
+        k0 = kt * BLOCK_K
+        h = tl.load(h_ptrs + k0 // 4)
+        tile = acc if PER_CHANNEL else tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for j in tl.static_range(4):
+            nibble = (h >> (4 * j)) & 0xF
+            if dtype == tl.float16:  # 0x6400 | q is fp16 1024 + q; minus 1032 leaves q - 8 exactly
+                w = (nibble | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+            elif UPCAST_DOT:  # the interpreter (bf16 there: no int16 -> bf16 bitcast, no bf16 dot)
+                w = nibble.to(tl.float32) - 8.0
+            else:  # 0x4300 | q is bf16 128 + q
+                w = (nibble | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0
+            xt = tl.load(x_ptrs + k0 + 16 * j, mask=m_mask, other=0.0)
+            if UPCAST_DOT:
+                tile = tl.dot(w.to(tl.float32), xt.to(tl.float32), tile, input_precision="ieee")
+            else:
+                tile = tl.dot(w, xt, tile)
+        if PER_CHANNEL:
+            acc = tile
+        else:
+            acc += tile * tl.load(s_ptr + (k0 // GROUP) * N + offs_n).to(tl.float32)[:, None]
+    if PER_CHANNEL:
+        acc *= tl.load(s_ptr + offs_n).to(tl.float32)[:, None]
+    _store_output(tl.trans(acc), out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid,
+                  SPLIT_K, SPLIT_K > 1, HAS_BIAS)
+
+
+def swap_supported(k: int, n: int, group_size: int, symmetric: bool) -> bool:
+    """Whether `w4a16_swap_matmul` takes this layer (with tiles of 64: BLOCK_K, BLOCK_N dividing group, N)."""
+    return symmetric and k % CHUNK == 0 and n % 64 == 0 and (group_size == k or group_size % CHUNK == 0)
+
+
+def w4a16_swap_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                      group_size: int, config: dict) -> torch.Tensor:
+    """x [M, K] contiguous (scales' dtype), packed = repack_for_swap(qweight) -> [M, N]; symmetric weights."""
+    m, k = x.shape
+    n = packed.shape[0]
+    split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if k % block_k or n % block_n or (group_size != k and group_size % block_k):
+        raise ValueError(f"swap kernel: K tile {block_k} / N tile {block_n} must divide K {k} / N {n} and "
+                         f"the group {group_size}")
+    grid = (triton.cdiv(m, block_m) * (n // block_n), split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part, counters = split_buffers(split, m, n, math.prod(grid[:-1]), x.device) if split > 1 else (out, out)
+    _w4a16_swap_kernel[grid](
+        x, packed, scales, bias if bias is not None else scales, out, part, counters, m, n, k,
+        GROUP=group_size, PER_CHANNEL=group_size == k, HAS_BIAS=bias is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+        UPCAST_DOT=x.dtype == torch.bfloat16 and _interpreting(),  # the interpreter's bf16 is wrong (3.9)
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return out
