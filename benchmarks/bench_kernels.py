@@ -355,7 +355,8 @@ def check_odd_shapes(log) -> int:
     return failures
 
 
-def sweep_small_m(log, out: Path, budget_s: float, schemes: list[str], ms: tuple[int, ...] = SMALL_MS) -> int:
+def sweep_small_m(log, out: Path, budget_s: float, schemes: list[str], ms: tuple[int, ...] = SMALL_MS,
+                  kinds: list[str] | None = None) -> int:
     """Correctness (float64, NaN-poisoned outputs) and timing, for M in SMALL_MS on every benchmark shape
     (g128 sym fp16; W4A8 two-level), of every tiled candidate (gemm, gemm_sliced, dequant_mm / int_mm) and,
     within the budget, every W4A16 gemv config, next to cuBLAS; the best of each kernel kind per cell."""
@@ -365,7 +366,7 @@ def sweep_small_m(log, out: Path, budget_s: float, schemes: list[str], ms: tuple
     for scheme in schemes:
         for m in ms:
             for shape, (k, n) in SHAPES.items():
-                failures += _sweep_cell(log, scheme, shape, k, n, m, t_start, budget_s, rows, seen, candidates)
+                failures += _sweep_cell(log, scheme, shape, k, n, m, t_start, budget_s, rows, seen, candidates, kinds)
                 (out / "sweep_small_m.json").write_text(json.dumps(rows, indent=1))
                 (out / "sweep_small_m.md").write_text(sweep_markdown(rows))  # so far: a cut-off run keeps it
     log(f"correctness failures: {failures}")
@@ -392,7 +393,7 @@ def sweep_markdown(rows: list[dict]) -> str:
 
 
 def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: float, budget_s: float,
-                rows: list, seen: dict, candidates) -> int:
+                rows: list, seen: dict, candidates, kinds: list[str] | None = None) -> int:
     q_bytes = k * n // 2 + 2 * n * (k // 128) + 2 * (m * k + m * n)
     fp16_bytes = 2 * (k * n + m * k + m * n)
     base_calls = []
@@ -405,7 +406,8 @@ def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: f
     xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
     runners = [config_runner(la) for la in layers]
     ref = reference(layers[0], xs[0])
-    tiled = [c for c in candidates(scheme, m, n, k, 128, swap=scheme == "w4a16") if c["kernel"] not in GEMV_KERNELS]
+    tiled = [c for c in candidates(scheme, m, n, k, 128, swap=scheme == "w4a16") if c["kernel"] not in GEMV_KERNELS
+             and (kinds is None or c["kernel"] in kinds)]
     gemvs = [c for kind in GEMV_KERNELS for c in gemv_sweep_configs(m, n, k, 128, kind)]
     configs = tiled + (gemvs if m <= 4 else [])
     failures = 0
@@ -442,6 +444,7 @@ def main() -> int:
     parser.add_argument("--sweep-small-m", action="store_true",
                         help="only check and time every small-M config for M in 1..256 (w4a16 g128)")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop the sweep's gemv timings after this")
+    parser.add_argument("--kernels", nargs="+", default=None, help="sweep: time only these tiled kernel kinds")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     logfile = open(args.out / "log.txt", "a")
@@ -463,7 +466,8 @@ def main() -> int:
                 triton=triton.__version__)
     torch.manual_seed(0)
     if args.sweep_small_m:
-        return int(sweep_small_m(log, args.out, args.budget_s, args.schemes, tuple(args.ms or SMALL_MS)) > 0)
+        return int(sweep_small_m(log, args.out, args.budget_s, args.schemes, tuple(args.ms or SMALL_MS),
+                                 args.kernels) > 0)
     failures = check_compile_and_graphs(log, args.schemes)
     if args.check:
         t0 = time.time()

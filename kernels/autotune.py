@@ -64,9 +64,10 @@ def _fits(cfg: dict, k: int, group: int) -> bool:
     return k % bk == 0 and (group % bk == 0 or bk % group == 0)
 
 
-SWAP_TILES = ((16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 256, 8, 3),
-              (32, 64, 128, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3),
-              (64, 128, 128, 8, 3), (64, 256, 64, 8, 3))  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+# H200 sweeps (benchmarks/kernels/sweep_swap_tiles_2026-12-03.md): (16, 128, 128, 4, 4) is within 5% of the best
+# in every M <= 16 cell, (64, 128, 128, 8, 3) in 6 of 6 at M = 64; BLOCK_N 256 and BLOCK_K 64 never were.
+SWAP_TILES = ((16, 128, 128, 4, 4), (16, 64, 128, 4, 4), (32, 128, 128, 4, 4), (32, 128, 128, 8, 3),
+              (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (64, 256, 128, 8, 3))  # (BM, BN, BK, warps, stages)
 
 
 def swap_candidates(m: int, n: int, k: int, group: int) -> list[dict]:
@@ -74,13 +75,16 @@ def swap_candidates(m: int, n: int, k: int, group: int) -> list[dict]:
     block_m = max(16, m_bucket(m))
     out = []
     for bm, bn, bk, warps, stages in SWAP_TILES:
+        bk = bk if group == k else min(bk, group)  # a K tile stays inside one group
         if bm != block_m or n % bn or k % bk or (group != k and group % bk):
             continue
         cfg = _tile("swap", bm, bn, bk, warps, stages, m, n, k)
-        out.append(cfg)
-        if cfg["SPLIT_K"] > 1:
-            out.append({**cfg, "SPLIT_K": cfg["SPLIT_K"] // 2})
-    return out
+        # each register-operand wgmma waits for the one before (Triton's rule for operands computed in the
+        # loop), so more resident programs hide that latency: the heuristic split, half and double of it
+        for split in (cfg["SPLIT_K"], cfg["SPLIT_K"] // 2, cfg["SPLIT_K"] * 2):
+            if 1 <= split <= max(1, k // bk // 2):
+                out.append({**cfg, "SPLIT_K": split})
+    return list({str(c): c for c in out}.values())
 
 
 def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = False) -> list[dict]:
@@ -119,8 +123,9 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
             tiles = ((64, 256, 4), *[t for t in tiles if t != (64, 256, 4)])
         gemv = [_gemv(n, k, bn, bk, warps, kind=kind) for kind in GEMV_KERNELS for bn, bk, warps in tiles]
         out = gemv + out if b == 1 else out + gemv
-    if swap and b <= 64:
-        out += swap_candidates(m, n, k, group)
+    if swap and b <= 64:  # it beat every other tiled kernel from M = 1 to 64 on the H200; gemv_h2 stays
+        swapped = swap_candidates(m, n, k, group)  # the default for one token (faster on 4 of 6 shapes)
+        out = out[:1] + swapped + out[1:] if b == 1 else swapped + out
     if b >= 256:
         big = "dequant_mm" if scheme == "w4a16" else "int_mm"
         out.insert(0 if b >= 1024 else len(out), dict(kernel=big))

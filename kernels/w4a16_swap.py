@@ -56,11 +56,55 @@ def swap_layout_codes(packed: torch.Tensor) -> torch.Tensor:
     return codes
 
 
+def _slice_ptx(j: int, dtype: str) -> str:
+    """Nibble slice j of two packed int16 ($1) as the pair q - 8 in fp16x2 / bf16x2 ($0), Marlin-style: lop3
+    ORs the nibbles into the mantissa of 1024 (fp16) or 128 (bf16), where the spacing is 1, and one half2
+    op removes it. fp16's odd slices are masked in place at 16 q (1024 + 16 q, still exact) and scaled back
+    by the fma (1/16, -72), which saves their shift."""
+    if dtype == "fp16":
+        shift, mask, base = 8 * (j // 2), ("0x00F000F0" if j % 2 else "0x000F000F"), "0x64006400"
+        fix = ("mov.b32 a, 0x2C002C00;\nmov.b32 b, 0xD480D480;\nfma.rn.f16x2 $0, t, a, b;" if j % 2 else
+               "mov.b32 b, 0x64086408;\nsub.f16x2 $0, t, b;")  # odd: t / 16 - 72; even: t - 1032
+    else:
+        shift, mask, base = 4 * j, "0x000F000F", "0x43004300"
+        fix = "mov.b32 a, 0x3F803F80;\nmov.b32 b, 0xC308C308;\nfma.rn.bf16x2 $0, t, a, b;"  # t * 1 - 136
+    shr = f"shr.b32 t, $1, {shift};\n" if shift else "mov.b32 t, $1;\n"
+    return ("{\n.reg .b32 t, a, b;\n" + shr + f"lop3.b32 t, t, {mask}, {base}, 0xEA;\n" + fix + "\n}")
+
+
+_F0, _F1, _F2, _F3 = (tl.constexpr(_slice_ptx(j, "fp16")) for j in range(4))
+_B0, _B1, _B2, _B3 = (tl.constexpr(_slice_ptx(j, "bf16")) for j in range(4))
+
+
+@triton.jit
+def _slice(h, j: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
+    """Nibble slice j of the int16 weight tile as q - 8 in DTYPE: elementwise, so Triton keeps it (and the
+    weight's load) in wgmma's register-operand layout."""
+    nibble = (h >> (4 * j)) & 0xF
+    if PTX:
+        fp16: tl.constexpr = DTYPE == tl.float16
+        if j == 0:
+            asm: tl.constexpr = _F0 if fp16 else _B0
+        elif j == 1:
+            asm: tl.constexpr = _F1 if fp16 else _B1
+        elif j == 2:
+            asm: tl.constexpr = _F2 if fp16 else _B2
+        else:
+            asm: tl.constexpr = _F3 if fp16 else _B3
+        w = tl.inline_asm_elementwise(asm, "=r,r", [h], dtype=tl.float16 if fp16 else tl.bfloat16, is_pure=True,
+                                      pack=2)
+    elif DTYPE == tl.float16:  # 0x6400 | q is fp16 1024 + q; minus 1032 leaves q - 8 exactly
+        w = (nibble | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+    else:  # the interpreter (bf16 there: no int16 -> bf16 bitcast, no bf16 dot)
+        w = nibble.to(tl.float32) - 8.0
+    return w
+
+
 @triton.jit
 def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                        GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                       SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr, PTX: tl.constexpr):
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
     pid_m, pid_n = pid % grid_m, pid // grid_m  # the M blocks of one weight tile run together (L2 reuse)
@@ -77,13 +121,7 @@ def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_p
         h = tl.load(h_ptrs + k0 // 4)
         tile = acc if PER_CHANNEL else tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for j in tl.static_range(4):
-            nibble = (h >> (4 * j)) & 0xF
-            if dtype == tl.float16:  # 0x6400 | q is fp16 1024 + q; minus 1032 leaves q - 8 exactly
-                w = (nibble | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-            elif UPCAST_DOT:  # the interpreter (bf16 there: no int16 -> bf16 bitcast, no bf16 dot)
-                w = nibble.to(tl.float32) - 8.0
-            else:  # 0x4300 | q is bf16 128 + q
-                w = (nibble | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0
+            w = _slice(h, j, dtype, PTX)
             xt = tl.load(x_ptrs + k0 + 16 * j, mask=m_mask, other=0.0)
             if UPCAST_DOT:
                 tile = tl.dot(w.to(tl.float32), xt.to(tl.float32), tile, input_precision="ieee")
@@ -121,5 +159,6 @@ def w4a16_swap_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
         GROUP=group_size, PER_CHANNEL=group_size == k, HAS_BIAS=bias is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
         UPCAST_DOT=x.dtype == torch.bfloat16 and _interpreting(),  # the interpreter's bf16 is wrong (3.9)
+        PTX=not _interpreting(),
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out

@@ -51,3 +51,107 @@ def test_matches_float64(dtype: torch.dtype, group: int) -> None:
         assert relative_error(out, reference_w4a16(layer, x)) < TOLERANCE[dtype], config
     with pytest.raises(ValueError, match="K tile"):
         w4a16_swap_matmul(x, packed, layer.scales, None, 64, dict(config, BLOCK_K=128) | _LAUNCH)
+
+
+def run_slice_ptx(asm: str, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Executes one of the kernel's slice PTX blocks on every int32 of `packed` (two int16 each): a tiny
+    interpreter of the five instructions the blocks use (half2 arithmetic is exact here, as the kernel's is)."""
+    regs = {"$1": packed.to(torch.int64) & 0xFFFFFFFF}
+
+    def halves(v: torch.Tensor) -> torch.Tensor:  # int32 bits -> [.., 2] values of `dtype`
+        pair = torch.stack([v & 0xFFFF, v >> 16], dim=-1).to(torch.int32)
+        return torch.where(pair >= 2**15, pair - 2**16, pair).to(torch.int16).view(dtype).double()
+
+    def bits(x: torch.Tensor) -> torch.Tensor:
+        h = x.to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+        return h[..., 0] | (h[..., 1] << 16)
+
+    def value(operand: str) -> torch.Tensor:
+        return regs[operand] if operand in regs else torch.full_like(packed, int(operand, 0), dtype=torch.int64)
+
+    for line in asm.splitlines():
+        parts = line.strip().rstrip(";").replace(",", " ").split()
+        if not parts or parts[0].startswith((".reg", "{", "}")):
+            continue
+        op, dst, *src = parts
+        a = [value(s) for s in src]
+        if op == "mov.b32":
+            regs[dst] = a[0]
+        elif op == "shr.b32":
+            regs[dst] = a[0] >> a[1]
+        elif op == "lop3.b32":
+            assert src[3] == "0xEA"  # (a & b) | c
+            regs[dst] = (a[0] & a[1]) | a[2]
+        elif op in ("sub.f16x2", "fma.rn.f16x2", "fma.rn.bf16x2"):
+            h = [halves(v) for v in a]
+            regs[dst] = bits(h[0] - h[1] if op.startswith("sub") else h[0] * h[1] + h[2])
+        else:
+            raise AssertionError(f"unknown instruction {line!r}")
+    return halves(regs["$0"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_slice_ptx_gives_codes_minus_eight(dtype: torch.dtype) -> None:
+    """Every pair of int16 (all nibble values in both halves): slice j of the PTX is nibble j minus 8."""
+    from quantkit.kernels.w4a16_swap import _slice_ptx
+
+    values = torch.arange(-2**15, 2**15, 7, dtype=torch.int64)
+    packed = (values & 0xFFFF) | (values.flip(0) & 0xFFFF) << 16
+    pair = torch.stack([values, values.flip(0)], dim=-1) & 0xFFFF
+    for j in range(4):
+        out = run_slice_ptx(_slice_ptx(j, "fp16" if dtype == torch.float16 else "bf16"), packed, dtype)
+        assert torch.equal(out, ((pair >> (4 * j)) & 0xF).double() - 8), j
+
+
+SWAP_COMPILE = """
+import re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from quantkit.kernels.w4a16_swap import _w4a16_swap_kernel as fn
+for dtype in ("fp16", "bf16"):
+    for per_channel, split in ((False, 4), (True, 1)):
+        sig = {"x_ptr": "*" + dtype, "h_ptr": "*i16", "s_ptr": "*" + dtype, "bias_ptr": "*" + dtype,
+               "out_ptr": "*" + dtype, "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32"}
+        sig.update({name: "constexpr" for name in fn.arg_names if name not in sig})
+        consts = dict(GROUP=128, PER_CHANNEL=per_channel, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
+                      SPLIT_K=split, UPCAST_DOT=False, PTX=True)
+        aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in
+                   ("x_ptr", "h_ptr", "s_ptr", "bias_ptr", "out_ptr", "part_ptr", "count_ptr", "N", "K")}
+        kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+        ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+        loop = ttgir[ttgir.index("scf.for"):]
+        # wgmma with the weight from registers: its A operand is a {...} register list, not a descriptor
+        assert re.search(r"wgmma.mma_async.sync.aligned.m64n16k16.f32.[bf0-9]+.[bf0-9]+ [{][^}]*[}], [{]", ptx)
+        assert "lop3.b32" in ptx and kernel.asm["cubin"]
+        assert not re.search(r"local_alloc %", loop), "a tensor goes through shared memory inside the K loop"
+        assert "async_copy_global_to_local" in ttgir, "weight and x loads are not pipelined (cp.async)"
+print("compiled")
+"""
+
+
+def test_swap_kernel_compiles_to_register_operand_wgmma_for_sm90() -> None:
+    """What the kernel exists for, checked on its sm_90 compile (Triton's bundled ptxas, no GPU needed):
+    wgmma takes the dequantized weight from registers, nothing goes through shared memory inside the K loop
+    but the cp.async copies of the packed weight and x, and the PTX slices assemble."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-c", SWAP_COMPILE], capture_output=True, text=True, env=env, timeout=300)
+    if run.returncode != 0 and ("ptxas" in run.stderr.lower() and "not found" in run.stderr.lower()):
+        pytest.skip("Triton's ptxas is not available here")
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
+def test_swap_configs_lead_the_tuner_from_two_tokens_to_64() -> None:
+    from quantkit.kernels.autotune import candidates
+
+    assert candidates("w4a16", 1, 4096, 4096, 128, swap=True)[0]["kernel"] == "gemv_h2"  # one token: gemv
+    for m in (2, 16, 64):
+        first = candidates("w4a16", m, 4096, 4096, 128, swap=True)[0]
+        assert first["kernel"] == "swap" and first["BLOCK_M"] == max(16, m) and first["BLOCK_K"] == 128
+    assert all(c["kernel"] != "swap" for c in candidates("w4a16", 16, 4096, 4096, 128))  # no swap layout
+    assert all(c["kernel"] != "swap" for c in candidates("w4a16", 256, 4096, 4096, 128, swap=True))
+    swapped = [c for c in candidates("w4a16", 16, 4160, 4096, 64, swap=True) if c["kernel"] == "swap"]
+    assert swapped and all(c["BLOCK_K"] == 64 and 4160 % c["BLOCK_N"] == 0 for c in swapped)  # g64: K tile 64
