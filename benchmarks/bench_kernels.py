@@ -157,6 +157,8 @@ def _compile_and_graph(log, layer: QuantLinear, scheme: str, group: int, m: int)
 
 def graph_time(calls: list, reps: int = 20) -> float:
     """Median seconds per call: one CUDA graph holds every call once (each on its own buffers)."""
+    for call in calls[:1]:  # eagerly first: library handles (cuBLAS) are never created inside a capture
+        call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
