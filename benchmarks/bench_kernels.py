@@ -486,7 +486,7 @@ def main() -> int:
                 t0 = time.time()
                 row = dict(scheme=scheme, shape=shape, K=k, N=n, M=m, group=args.group, device=meta["device"],
                            **bench_cell(scheme, k, n, m, args.group, layers))
-                flags = "z0" if scheme == "w4a16" else "z0two1" if args.group > 0 else "z0two0"
+                flags = "z0swap" if scheme == "w4a16" else "z0two1" if args.group > 0 else "z0two0"
                 g = args.group if args.group > 0 else k
                 key = f"{meta['device']}|{scheme}|{DTYPE}|N{n}|K{k}|g{g}|{flags}|M{m_bucket(m)}"
                 row["config"] = json.dumps(_cache().get(key) or "default").replace('"', "")
