@@ -3,7 +3,8 @@
 The weight stays in QuantLinear's K-packed layout (int32 [K/8, N], nibble j of row r is input 8r+j): a tile
 of it is a coalesced [BLOCK_K/8, BLOCK_N] load along N, which is what every path below wants, so no repack.
 
-Three paths, chosen per M bucket by quantkit.kernels.autotune:
+Three paths, chosen per M bucket by quantkit.kernels.autotune (plus, for symmetric layers from M = 2 to 64,
+the swap kernel of w4a16_swap.py on its own weight layout):
   gemv        M small: no tensor cores, fp32 FMAs. Each nibble is masked *in place* (no shift per element):
               OR-ing it into the mantissa of 2**23 gives 2**23 + q * 16**i exactly, and the activation is
               pre-scaled by 16**-i once per tile instead (the high 16 bits of each word get one shift).
