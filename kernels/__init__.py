@@ -75,6 +75,8 @@ def swap_weight_for(layer: torch.nn.Module, symmetric: bool) -> torch.Tensor | N
     k, n = layer.in_features, layer.out_features
     if os.environ.get("QUANTKIT_SWAP_KERNEL", "1") == "0" or not swap_supported(k, n, layer.group_size, symmetric):
         return None
+    if layer.scales.dtype != torch.float16:  # bf16 passes the CPU checks but has not run on a GPU yet
+        return None
     return repack_for_swap(layer.qweight)
 
 

@@ -32,6 +32,25 @@ def test_kernel_forward_matches_reference_forward(act_bits, group, two_level, dt
     assert relative_error(out, layer.reference_forward(x).double()) < 2e-2
 
 
+def test_symmetric_fp16_layers_run_the_swap_kernel_through_quantlinear(monkeypatch):
+    """From 2 to 64 tokens the swap kernel is the default; its weight copy exists for symmetric fp16 only."""
+    import quantkit.kernels.w4a16_swap as swap
+    from quantkit.kernels import swap_weight_for
+
+    layer = random_layer(256, 128, 64, torch.float16, sym=True)
+    assert torch.equal(swap_weight_for(layer, True), swap.repack_for_swap(layer.qweight))
+    assert swap_weight_for(layer, False) is None  # zero points
+    assert swap_weight_for(random_layer(256, 128, 64, torch.bfloat16, sym=True), True) is None
+    configs, real = [], swap.w4a16_swap_matmul
+    monkeypatch.setattr(swap, "w4a16_swap_matmul", lambda *args: configs.append(args[-1]) or real(*args))
+    forward = make_kernel_forward(layer)
+    x = torch.randn(5, 256, dtype=torch.float16)
+    assert relative_error(forward(x), layer.reference_forward(x).double()) < 2e-3
+    assert [c["kernel"] for c in configs] == ["swap"]
+    monkeypatch.setenv("QUANTKIT_SWAP_KERNEL", "0")
+    assert swap_weight_for(layer, True) is None
+
+
 @pytest.mark.parametrize(("kwargs", "reason"), [
     (dict(k=128, n=44, group=32), "out_features"), (dict(k=96, n=48, group=48), "group size"),
     (dict(k=104, n=48, group=-1), "multiple of 32"),
