@@ -33,16 +33,21 @@ CHUNK = 64  # inputs per 16 int16 of a weight row: 4 nibble slices of 16 contigu
 _CHUNK = tl.constexpr(CHUNK)
 
 
-def repack_for_swap(qweight: torch.Tensor) -> torch.Tensor:
-    """QuantLinear's int32 [K/8, N] (nibble j of row r is input 8r + j) -> int16 [N, K/4] (see module doc)."""
-    k = qweight.shape[0] * 8
+def repack_for_swap(qweight: torch.Tensor, columns: int = 1024) -> torch.Tensor:
+    """QuantLinear's int32 [K/8, N] (nibble j of row r is input 8r + j) -> int16 [N, K/4] (see module doc).
+    Done `columns` outputs at a time: the int32 temporaries are ~12 bytes per weight of the chunk, which for a
+    70B layer at once would be gigabytes of GPU memory."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
     if k % CHUNK:
         raise ValueError(f"the swap layout needs K a multiple of {CHUNK}, got {k}")
-    codes = torch.stack([(qweight >> (4 * j)) & 0xF for j in range(8)], dim=1).reshape(k, -1)  # [K, N]
-    # input k = 64 c + 16 j + i -> int16 (c, i), nibble j
-    by_slice = codes.t().reshape(-1, k // CHUNK, 4, 16)  # [N, c, j, i]
-    packed = sum(by_slice[:, :, j, :] << (4 * j) for j in range(4))  # [N, c, i], 16 bits
-    return torch.where(packed >= 2**15, packed - 2**16, packed).reshape(-1, k // 4).to(torch.int16).contiguous()
+    out = torch.empty(n, k // 4, dtype=torch.int16, device=qweight.device)
+    for n0 in range(0, n, columns):
+        words = qweight[:, n0:n0 + columns]
+        codes = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], dim=1).reshape(k, -1)  # [K, cols]
+        by_slice = codes.t().reshape(-1, k // CHUNK, 4, 16)  # input k = 64 c + 16 j + i -> [cols, c, j, i]
+        packed = sum(by_slice[:, :, j, :] << (4 * j) for j in range(4))  # [cols, c, i], 16 bits each
+        out[n0:n0 + columns] = torch.where(packed >= 2**15, packed - 2**16, packed).reshape(-1, k // 4)
+    return out
 
 
 def swap_layout_codes(packed: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ def test_repack_follows_the_layout_definition() -> None:
     packed = repack_for_swap(qweight)
     assert packed.shape == (24, 192 // 4) and packed.dtype == torch.int16
     assert torch.equal(swap_layout_codes(packed), unpack_along_rows(qweight, 4).to(torch.int32))
+    assert torch.equal(repack_for_swap(qweight, columns=5), packed)  # chunked: the same layout
     with pytest.raises(ValueError, match="multiple of 64"):
         repack_for_swap(qweight[:4])
 
