@@ -209,10 +209,10 @@ def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict) ->
 
 def tensor_core_report() -> dict:
     """Which compiled Triton kernels use wgmma / mma.sync (from their PTX), per kernel and tile."""
-    from quantkit.kernels import w4a8, w4a16
+    from quantkit.kernels import w4a8, w4a16, w4a16_swap
 
     report = {}
-    for mod in (w4a16, w4a8):
+    for mod in (w4a16, w4a16_swap, w4a8):
         for name in dir(mod):
             fn = getattr(mod, name)
             caches = getattr(fn, "device_caches", None)
@@ -221,7 +221,8 @@ def tensor_core_report() -> dict:
             for entry in caches.values():
                 for compiled in entry[0].values():
                     ptx = compiled.asm.get("ptx", "")
-                    key = f"{name} {compiled.name} warps={compiled.metadata.num_warps}"
+                    meta = compiled.metadata  # one entry per compiled variant (tile, stages, flags)
+                    key = f"{name} warps={meta.num_warps} stages={meta.num_stages} smem={meta.shared} {compiled.hash[:8]}"
                     report[key] = dict(wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
                                        regs=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
                                        shared=compiled.metadata.shared)
