@@ -85,7 +85,6 @@ _B0, _B1, _B2, _B3 = (tl.constexpr(_slice_ptx(j, "bf16")) for j in range(4))
 def _slice(h, j: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
     """Nibble slice j of the int16 weight tile as q - 8 in DTYPE: elementwise, so Triton keeps it (and the
     weight's load) in wgmma's register-operand layout."""
-    nibble = (h >> (4 * j)) & 0xF
     if PTX:
         fp16: tl.constexpr = DTYPE == tl.float16
         if j == 0:
@@ -99,9 +98,9 @@ def _slice(h, j: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
         w = tl.inline_asm_elementwise(asm, "=r,r", [h], dtype=tl.float16 if fp16 else tl.bfloat16, is_pure=True,
                                       pack=2)
     elif DTYPE == tl.float16:  # 0x6400 | q is fp16 1024 + q; minus 1032 leaves q - 8 exactly
-        w = (nibble | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        w = (((h >> (4 * j)) & 0xF) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
     else:  # the interpreter (bf16 there: no int16 -> bf16 bitcast, no bf16 dot)
-        w = nibble.to(tl.float32) - 8.0
+        w = ((h >> (4 * j)) & 0xF).to(tl.float32) - 8.0
     return w
 
 
