@@ -180,17 +180,22 @@ GREEDY_TOKENS = 12
 VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+# vLLM runs fp16 (and its own int8 activation rounding), quantkit fp32 here: where quantkit's top two logits are
+# this close, either engine may pick either token (measured: 0.14 and 0.31 on the QQQ export, 2026-12-03).
+NEAR_TIE = 0.5
+
+
 @torch.no_grad()
-def greedy_with_quantkit(folder: Path, prompt_ids: list[list[int]]) -> list[list[int]]:
-    """Plain argmax decoding that, like vLLM's ignore_eos, neither stops at nor suppresses EOS."""
+def teacher_forced_margins(folder: Path, prompt_ids: list[list[int]], tokens: list[list[int]]) -> list[list[float]]:
+    """Per prompt and step, quantkit's logit gap between its own argmax and the given token, with the given
+    tokens fed back (0 where quantkit picks the same token)."""
     model, _ = load_quantized(folder, dtype=torch.float32)
-    out = []
-    for ids in prompt_ids:
-        tokens = torch.tensor([ids])
-        for _ in range(GREEDY_TOKENS):
-            tokens = torch.cat([tokens, model(tokens).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-        out.append(tokens[0, len(ids):].tolist())
-    return out
+    margins = []
+    for ids, theirs in zip(prompt_ids, tokens, strict=True):
+        logits = model(torch.tensor([ids + theirs[:-1]])).logits[0, len(ids) - 1:]
+        picked = logits.gather(1, torch.tensor(theirs)[:, None])[:, 0]
+        margins.append((logits.max(dim=-1).values - picked).tolist())
+    return margins
 
 
 @pytest.mark.vllm
@@ -220,9 +225,9 @@ def test_vllm_greedy_tokens_match_quantkit(exports, setup, tmp_path, name: str) 
         expected = torch.cat([ours_model.get_submodule(f"{prefix}.{p}").dequantized_weight() for p in parts])
         torch.testing.assert_close(weight, expected, rtol=0, atol=0)
     vllm_tokens = [r["token_ids"] for r in result["results"]]
-    ours = greedy_with_quantkit(folder, prompt_ids)
-    # vLLM computes in fp16, quantkit in fp32 here: a near-tie can flip later in a sequence
-    for mine, theirs in zip(ours, vllm_tokens, strict=True):
-        assert mine[:4] == theirs[:4], (mine, theirs)
-    pairs = [(a, b) for mine, theirs in zip(ours, vllm_tokens, strict=True) for a, b in zip(mine, theirs, strict=True)]
-    assert sum(a == b for a, b in pairs) >= 0.75 * len(pairs), (ours, vllm_tokens)
+    assert all(len(t) == GREEDY_TOKENS for t in vllm_tokens)  # ignore_eos: never stopped early
+    # every token vLLM chose greedily is quantkit's greedy choice too, given the same prefix, or a near-tie
+    margins = teacher_forced_margins(folder, prompt_ids, vllm_tokens)
+    steps = [m for row in margins for m in row]
+    assert max(steps) <= NEAR_TIE, (margins, vllm_tokens)
+    assert sum(m == 0 for m in steps) >= 0.8 * len(steps), (margins, vllm_tokens)
