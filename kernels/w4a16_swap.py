@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.nn.qlinear import unpack_along_rows
+
 from .w4a16 import _interpreting, _store_output, split_buffers
 
 CHUNK = 64  # inputs per 16 int16 of a weight row: 4 nibble slices of 16 contiguous inputs each
@@ -43,7 +45,7 @@ def repack_for_swap(qweight: torch.Tensor, columns: int = 1024) -> torch.Tensor:
     out = torch.empty(n, k // 4, dtype=torch.int16, device=qweight.device)
     for n0 in range(0, n, columns):
         words = qweight[:, n0:n0 + columns]
-        codes = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], dim=1).reshape(k, -1)  # [K, cols]
+        codes = unpack_along_rows(words, 4).to(torch.int32)  # [K, cols]
         by_slice = codes.t().reshape(-1, k // CHUNK, 4, 16)  # input k = 64 c + 16 j + i -> [cols, c, j, i]
         packed = sum(by_slice[:, :, j, :] << (4 * j) for j in range(4))  # [cols, c, i], 16 bits each
         out[n0:n0 + columns] = torch.where(packed >= 2**15, packed - 2**16, packed).reshape(-1, k // 4)
