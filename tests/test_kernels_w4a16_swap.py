@@ -9,7 +9,14 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are d
 import pytest
 import torch
 from quantkit.kernels.w4a16_swap import repack_for_swap, swap_layout_codes, swap_supported, w4a16_swap_matmul
-from test_kernels_w4a16 import TOLERANCE, poisoned_outputs, random_layer, reference_w4a16, relative_error  # noqa: F401
+from test_kernels_w4a16 import (  # noqa: F401  (poisoned_outputs: a fixture)
+    TOLERANCE,
+    compile_for_sm90,
+    poisoned_outputs,
+    random_layer,
+    reference_w4a16,
+    relative_error,
+)
 
 from quantkit.nn.qlinear import unpack_along_rows
 
@@ -135,14 +142,7 @@ def test_swap_kernel_compiles_to_register_operand_wgmma_for_sm90() -> None:
     """What the kernel exists for, checked on its sm_90 compile (Triton's bundled ptxas, no GPU needed):
     wgmma takes the dequantized weight from registers, nothing goes through shared memory inside the K loop
     but the cp.async copies of the packed weight and x, and the PTX slices assemble."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    run = subprocess.run([sys.executable, "-c", SWAP_COMPILE], capture_output=True, text=True, env=env, timeout=300)
-    if run.returncode != 0 and ("ptxas" in run.stderr.lower() and "not found" in run.stderr.lower()):
-        pytest.skip("Triton's ptxas is not available here")
-    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+    compile_for_sm90(SWAP_COMPILE)
 
 
 def test_swap_configs_lead_the_tuner_from_two_tokens_to_64() -> None:
