@@ -42,8 +42,8 @@ def random_layer(k: int, n: int, group: int, scheme: str, dtype: torch.dtype = D
     layer = QuantLinear(k, n, 4, group, bias, 8 if scheme == "w4a8" else 16, two_level, dtype).cuda()
     layer.qweight.copy_(torch.randint(-2**31, 2**31 - 1, layer.qweight.shape, dtype=torch.int32, device="cuda"))
     g = layer.scales.shape[0]
-    if two_level:
-        layer.scales.copy_(1 + 7.5 * torch.rand(g, n, device="cuda"))
+    if two_level:  # integer group scales, as quantkit's QQQ writes them (the swap kernel needs them)
+        layer.scales.copy_(torch.randint(1, 17, (g, n), device="cuda"))
         layer.channel_scales.copy_(1e-3 + 1e-2 * torch.rand(n, device="cuda"))
     else:
         layer.scales.copy_(5e-3 + 2e-2 * torch.rand(g, n, device="cuda"))
@@ -73,21 +73,21 @@ def reference(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def config_runner(layer: QuantLinear):
-    """run(x, cfg): one explicit config (bypassing the tuner) with the buffers make_kernel_forward would pass,
-    prepared here once, so run() has no host sync and can be captured in a CUDA graph."""
-    from quantkit.kernels import swap_weight_for, w4a16_run
-    from quantkit.kernels.w4a8 import w4a8_matmul
+    """run(x, cfg): one explicit config (bypassing the tuner) with the buffers make_kernel_forward would pass
+    (the swap layout in every dtype, checked or not), prepared here once, so run() has no host sync and can be
+    captured in a CUDA graph."""
+    from quantkit.kernels import swap_weight_for, w4a8_run, w4a16_run
 
     zeros = None if bool((layer.zeros == 8).all()) else layer.zeros
+    swap = swap_weight_for(layer, zeros is None, unchecked_dtypes=True)
     if layer.act_bits == 16:
-        swap = swap_weight_for(layer, zeros is None)
         return lambda x, cfg: w4a16_run(x, layer.qweight, layer.scales, zeros, layer.bias, layer.group_size, swap, cfg)
     two = layer.channel_scales is not None
     channel = layer.channel_scales if two else layer.scales[0].float()
     zeros = zeros if two or zeros is None else zeros[0].contiguous()
     group_scales = layer.scales if two else None
-    return lambda x, cfg: w4a8_matmul(x, layer.qweight, channel, group_scales, zeros, layer.bias,
-                                      layer.group_size, cfg)
+    return lambda x, cfg: w4a8_run(x, layer.qweight, channel, group_scales, zeros, layer.bias, layer.group_size,
+                                   swap, cfg)
 
 
 def run_config(layer: QuantLinear, x: torch.Tensor, cfg: dict) -> torch.Tensor:
@@ -122,6 +122,30 @@ def check_correctness(log, schemes: list[str]) -> int:
                 failures += 1
                 log(f"FAIL forward {scheme} g{group} {dtype} sym={sym} m={m}: rel err {err:.2e}")
         log(f"checked {scheme} g{group} {dtype} sym={sym}")
+    return failures
+
+
+def check_swap(log, schemes: list[str]) -> int:
+    """The swap kernels vs float64 with NaN-poisoned outputs: every candidate config for fp16 g128, the first
+    three for fp16 g64 / per-channel and bf16 g128 (whether bf16 is enabled depends on this check)."""
+    from quantkit.kernels.autotune import candidates
+
+    failures = 0
+    for scheme in schemes:
+        for group, dtype in ((128, torch.float16), (64, torch.float16), (-1, torch.float16), (128, torch.bfloat16)):
+            layer = random_layer(1024, 768, group, scheme, dtype, bias=True)
+            tol = 2e-3 if dtype == torch.float16 else 1.2e-2
+            for m in (1, 5, 64, 300):
+                x = torch.randn(m, 1024, device="cuda", dtype=dtype)
+                ref = reference(layer, x)
+                configs = [c for c in candidates(scheme, m, 768, 1024, layer.group_size, swap=True)
+                           if c["kernel"] == "swap"]
+                for cfg in configs if (group, dtype) == (128, torch.float16) else configs[:3]:
+                    err = _checked_err(layer, x, cfg, ref, log)
+                    if not err < tol:
+                        failures += 1
+                        log(f"FAIL swap {scheme} g{group} {dtype} m={m} {cfg}: rel err {err:.2e}")
+            log(f"checked swap {scheme} g{group} {dtype}")
     return failures
 
 
@@ -209,10 +233,10 @@ def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict) ->
 
 def tensor_core_report() -> dict:
     """Which compiled Triton kernels use wgmma / mma.sync (from their PTX), per kernel and tile."""
-    from quantkit.kernels import w4a8, w4a16, w4a16_swap
+    from quantkit.kernels import w4a8, w4a8_swap, w4a16, w4a16_swap
 
     report = {}
-    for mod in (w4a16, w4a16_swap, w4a8):
+    for mod in (w4a16, w4a16_swap, w4a8, w4a8_swap):
         for name in dir(mod):
             fn = getattr(mod, name)
             caches = getattr(fn, "device_caches", None)
@@ -409,7 +433,7 @@ def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: f
     xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
     runners = [config_runner(la) for la in layers]
     ref = reference(layers[0], xs[0])
-    tiled = [c for c in candidates(scheme, m, n, k, 128, swap=scheme == "w4a16") if c["kernel"] not in GEMV_KERNELS
+    tiled = [c for c in candidates(scheme, m, n, k, 128, swap=True) if c["kernel"] not in GEMV_KERNELS
              and (kinds is None or c["kernel"] in kinds)]
     gemvs = [c for kind in GEMV_KERNELS for c in gemv_sweep_configs(m, n, k, 128, kind)]
     configs = tiled + (gemvs if m <= 4 else [])
@@ -448,6 +472,7 @@ def main() -> int:
                         help="only check and time every small-M config for M in 1..256 (w4a16 g128)")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop the sweep's gemv timings after this")
     parser.add_argument("--kernels", nargs="+", default=None, help="sweep: time only these tiled kernel kinds")
+    parser.add_argument("--check-swap", action="store_true", help="check the swap kernels' configs first")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     logfile = open(args.out / "log.txt", "a")
@@ -468,10 +493,12 @@ def main() -> int:
                 command=" ".join(sys.argv), commit=commit or "uncommitted", torch=torch.__version__,
                 triton=triton.__version__)
     torch.manual_seed(0)
+    swap_failures = check_swap(log, args.schemes) if args.check_swap else 0
+    log(f"swap check: {swap_failures} failures")
     if args.sweep_small_m:
         return int(sweep_small_m(log, args.out, args.budget_s, args.schemes, tuple(args.ms or SMALL_MS),
-                                 args.kernels) > 0)
-    failures = check_compile_and_graphs(log, args.schemes)
+                                 args.kernels) + swap_failures > 0)
+    failures = swap_failures + check_compile_and_graphs(log, args.schemes)
     if args.check:
         t0 = time.time()
         failures += check_correctness(log, args.schemes)

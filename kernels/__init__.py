@@ -26,7 +26,6 @@ def _register_ops() -> None:
     if _OPS_REGISTERED:
         return
     from .autotune import pick_config
-    from .w4a8 import w4a8_matmul
 
     @torch.library.custom_op("quantkit::w4a16_linear", mutates_args=())
     def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -42,14 +41,15 @@ def _register_ops() -> None:
     @torch.library.custom_op("quantkit::w4a8_linear", mutates_args=())
     def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
                     group_scales: torch.Tensor | None, zeros: torch.Tensor | None, bias: torch.Tensor | None,
-                    group_size: int) -> torch.Tensor:
+                    group_size: int, swap_weight: torch.Tensor | None) -> torch.Tensor:
         n, k = qweight.shape[1], x.shape[1]
-        flags = f"z{int(zeros is not None)}two{int(group_scales is not None)}"
+        swap = "swap" if swap_weight is not None else ""
+        flags = f"z{int(zeros is not None)}two{int(group_scales is not None)}{swap}"
 
         def run(cfg: dict) -> torch.Tensor:
-            return w4a8_matmul(x, qweight, channel_scales, group_scales, zeros, bias, group_size, cfg)
+            return w4a8_run(x, qweight, channel_scales, group_scales, zeros, bias, group_size, swap_weight, cfg)
 
-        return run(pick_config("w4a8", x, n, k, group_size, flags, run))
+        return run(pick_config("w4a8", x, n, k, group_size, flags, run, swap=swap_weight is not None))
 
     for op in (w4a16_linear, w4a8_linear):
         op.register_fake(lambda x, qweight, *args: x.new_empty(x.shape[0], qweight.shape[1]))
@@ -67,17 +67,40 @@ def w4a16_run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     return w4a16_matmul(x, qweight, scales, zeros, bias, group_size, cfg)
 
 
-def swap_weight_for(layer: torch.nn.Module, symmetric: bool) -> torch.Tensor | None:
-    """The swap kernel's copy of a W4A16 layer's weight (0.5 byte per weight more on the GPU), or None when
-    the kernel cannot take the layer or QUANTKIT_SWAP_KERNEL=0."""
+def w4a8_run(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
+             group_scales: torch.Tensor | None, zeros: torch.Tensor | None, bias: torch.Tensor | None,
+             group_size: int, swap_weight: torch.Tensor | None, cfg: dict) -> torch.Tensor:
+    """One W4A8 call with an explicit config: the swap kernel on its own weight layout, else w4a8.py's."""
+    from .w4a8 import w4a8_matmul
+    from .w4a8_swap import w4a8_swap_matmul
+
+    if cfg["kernel"] == "swap":
+        return w4a8_swap_matmul(x, swap_weight, channel_scales, group_scales, bias, group_size, cfg)
+    return w4a8_matmul(x, qweight, channel_scales, group_scales, zeros, bias, group_size, cfg)
+
+
+# Output dtypes each swap kernel has been checked in on an H200 (the others pass the CPU checks only).
+SWAP_GPU_CHECKED = {16: (torch.float16,), 8: (torch.float16,)}
+
+
+def swap_weight_for(layer: torch.nn.Module, symmetric: bool, unchecked_dtypes: bool = False) -> torch.Tensor | None:
+    """The swap kernel's copy of a layer's weight (0.5 byte per weight more on the GPU), or None when the
+    kernel cannot take the layer, its dtype was not checked on a GPU (unless unchecked_dtypes) or
+    QUANTKIT_SWAP_KERNEL=0."""
+    from .w4a8_swap import repack_for_w4a8_swap, w4a8_swap_supported
     from .w4a16_swap import repack_for_swap, swap_supported
 
-    k, n = layer.in_features, layer.out_features
-    if os.environ.get("QUANTKIT_SWAP_KERNEL", "1") == "0" or not swap_supported(k, n, layer.group_size, symmetric):
+    k, n, group = layer.in_features, layer.out_features, layer.group_size
+    if os.environ.get("QUANTKIT_SWAP_KERNEL", "1") == "0":
         return None
-    if layer.scales.dtype != torch.float16:  # bf16 passes the CPU checks but has not run on a GPU yet
+    if not (unchecked_dtypes or layer.scales.dtype in SWAP_GPU_CHECKED[layer.act_bits]):
         return None
-    return repack_for_swap(layer.qweight)
+    if layer.act_bits == 16:
+        return repack_for_swap(layer.qweight) if swap_supported(k, n, group, symmetric) else None
+    group_scales = layer.scales if layer.channel_scales is not None else None
+    if not w4a8_swap_supported(k, n, group, symmetric, group_scales):
+        return None
+    return repack_for_w4a8_swap(layer.qweight)
 
 
 def unsupported_reason(layer: torch.nn.Module) -> str | None:
@@ -129,8 +152,8 @@ def make_kernel_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
     k, n, group, dtype = layer.in_features, layer.out_features, layer.group_size, layer.scales.dtype
     zeros = None if bool((layer.zeros == 8).all()) else layer.zeros  # symmetric: the kernels use 8
     qweight, bias = layer.qweight, layer.bias
+    swap_weight = swap_weight_for(layer, zeros is None)
     if layer.act_bits == 16:
-        swap_weight = swap_weight_for(layer, zeros is None)
 
         def run(x2: torch.Tensor) -> torch.Tensor:
             return torch.ops.quantkit.w4a16_linear(x2, qweight, layer.scales, zeros, bias, group, swap_weight)
@@ -140,7 +163,8 @@ def make_kernel_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
         channel_zeros = zeros if two_level or zeros is None else zeros[0].contiguous()
 
         def run(x2: torch.Tensor) -> torch.Tensor:
-            return torch.ops.quantkit.w4a8_linear(x2, qweight, channel, group_scales, channel_zeros, bias, group)
+            return torch.ops.quantkit.w4a8_linear(x2, qweight, channel, group_scales, channel_zeros, bias, group,
+                                                  swap_weight)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         out = run(x.reshape(-1, k).to(dtype).contiguous())

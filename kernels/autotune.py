@@ -66,17 +66,27 @@ def _fits(cfg: dict, k: int, group: int) -> bool:
 
 # H200 sweeps (benchmarks/kernels/sweep_swap_tiles_2026-12-03.md): (16, 128, 128, 4, 4) is within 5% of the best
 # in every M <= 16 cell, (64, 128, 128, 8, 3) in 6 of 6 at M = 64; BLOCK_N 256 and BLOCK_K 64 never were.
-SWAP_TILES = ((16, 128, 128, 4, 4), (16, 64, 128, 4, 4), (32, 128, 128, 4, 4), (32, 128, 128, 8, 3),
-              (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (64, 256, 128, 8, 3))  # (BM, BN, BK, warps, stages)
+# BLOCK_M 128 / 256 (wgmma N up to 256) are the large-M candidates. W4A8's int8 dots take K = 32 per
+# instruction and dequantize for ~0.4 instructions per weight, so longer K tiles are worth a try there.
+SWAP_TILES = {  # (BM, BN, BK, warps, stages)
+    "w4a16": ((16, 128, 128, 4, 4), (16, 64, 128, 4, 4), (32, 128, 128, 4, 4), (32, 128, 128, 8, 3),
+              (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (64, 256, 128, 8, 3), (128, 128, 128, 8, 3),
+              (256, 128, 64, 8, 3), (128, 256, 64, 8, 3)),
+    "w4a8": ((16, 128, 128, 4, 4), (16, 128, 256, 4, 3), (16, 64, 256, 4, 4), (16, 256, 128, 8, 3),
+             (32, 128, 128, 4, 4), (32, 128, 256, 4, 3), (64, 128, 128, 8, 3), (64, 128, 256, 8, 3),
+             (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (256, 128, 128, 8, 3), (128, 256, 128, 8, 3)),
+}
 
 
-def swap_candidates(m: int, n: int, k: int, group: int) -> list[dict]:
-    """w4a16_swap's configs for M <= 64 (its BLOCK_M is wgmma's N: the bucket, at least 16)."""
-    block_m = max(16, m_bucket(m))
+def swap_candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
+    """The swap kernels' configs (their BLOCK_M is wgmma's N: the M bucket up to 64, at least 16; 128 and
+    256 above)."""
+    b = m_bucket(m)
+    block_ms = (max(16, b),) if b <= 64 else (128, 256)
     out = []
-    for bm, bn, bk, warps, stages in SWAP_TILES:
+    for bm, bn, bk, warps, stages in SWAP_TILES[scheme]:
         bk = bk if group == k else min(bk, group)  # a K tile stays inside one group
-        if bm != block_m or n % bn or k % bk or (group != k and group % bk):
+        if bm not in block_ms or n % bn or k % bk or (group != k and group % bk):
             continue
         cfg = _tile("swap", bm, bn, bk, warps, stages, m, n, k)
         # each register-operand wgmma waits for the one before (Triton's rule for operands computed in the
@@ -89,7 +99,8 @@ def swap_candidates(m: int, n: int, k: int, group: int) -> list[dict]:
 
 def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = False) -> list[dict]:
     """Configs worth timing for this problem, the heuristic default first. scheme: 'w4a16' or 'w4a8'.
-    swap: the layer has w4a16_swap's weight layout (W4A16 symmetric; its configs join M <= 64)."""
+    swap: the layer has a swap kernel's weight layout (w4a16_swap / w4a8_swap: symmetric weights): its
+    configs lead from M = 2 to 64 and join the timed candidates above."""
     b = m_bucket(m)
     out: list[dict] = []
     bk_min = 32 if scheme == "w4a16" else 64  # int8 dot needs K >= 32 per instruction; 64 keeps it fed
@@ -123,9 +134,9 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
             tiles = ((64, 256, 4), *[t for t in tiles if t != (64, 256, 4)])
         gemv = [_gemv(n, k, bn, bk, warps, kind=kind) for kind in GEMV_KERNELS for bn, bk, warps in tiles]
         out = gemv + out if b == 1 else out + gemv
-    if swap and b <= 64:  # it beat every other tiled kernel from M = 1 to 64 on the H200; gemv_h2 stays
-        swapped = swap_candidates(m, n, k, group)  # the default for one token (faster on 4 of 6 shapes)
-        out = out[:1] + swapped + out[1:] if b == 1 else swapped + out
+    if swap:  # it beat every other tiled kernel from M = 2 to 64 on the H200; gemv_h2 stays the default for
+        swapped = swap_candidates(scheme, m, n, k, group)  # one token (faster on 4 of 6 shapes)
+        out = out[:1] + swapped + out[1:] if b == 1 else swapped + out if b <= 64 else out + swapped
     if b >= 256:
         big = "dequant_mm" if scheme == "w4a16" else "int_mm"
         out.insert(0 if b >= 1024 else len(out), dict(kernel=big))

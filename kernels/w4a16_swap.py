@@ -35,21 +35,29 @@ CHUNK = 64  # inputs per 16 int16 of a weight row: 4 nibble slices of 16 contigu
 _CHUNK = tl.constexpr(CHUNK)
 
 
-def repack_for_swap(qweight: torch.Tensor, columns: int = 1024) -> torch.Tensor:
-    """QuantLinear's int32 [K/8, N] (nibble j of row r is input 8r + j) -> int16 [N, K/4] (see module doc).
-    Done `columns` outputs at a time: the int32 temporaries are ~12 bytes per weight of the chunk, which for a
-    70B layer at once would be gigabytes of GPU memory."""
-    k, n = qweight.shape[0] * 8, qweight.shape[1]
+def pack_nibble_slices(qweight: torch.Tensor, shifts: tuple[int, ...], dtype: torch.dtype, xor: int = 0,
+                       columns: int = 1024) -> torch.Tensor:
+    """QuantLinear's int32 [K/8, N] (nibble j of row r is input 8r + j) -> `dtype` [N, K / len(shifts)]
+    whose element (n, t) holds, at bit shifts[j], the code (xor `xor`) of input 64 (t // r) + r j + t % r with
+    r = 64 / len(shifts): slice j of a row is r contiguous inputs of each 64-input chunk. Done `columns`
+    outputs at a time: the int32 temporaries are ~12 bytes per weight of the chunk, which for a 70B layer at
+    once would be gigabytes of GPU memory."""
+    k, n, slices = qweight.shape[0] * 8, qweight.shape[1], len(shifts)
     if k % CHUNK:
         raise ValueError(f"the swap layout needs K a multiple of {CHUNK}, got {k}")
-    out = torch.empty(n, k // 4, dtype=torch.int16, device=qweight.device)
+    bits, run = 4 * slices, CHUNK // slices
+    out = torch.empty(n, k // slices, dtype=dtype, device=qweight.device)
     for n0 in range(0, n, columns):
-        words = qweight[:, n0:n0 + columns]
-        codes = unpack_along_rows(words, 4).to(torch.int32)  # [K, cols]
-        by_slice = codes.t().reshape(-1, k // CHUNK, 4, 16)  # input k = 64 c + 16 j + i -> [cols, c, j, i]
-        packed = sum(by_slice[:, :, j, :] << (4 * j) for j in range(4))  # [cols, c, i], 16 bits each
-        out[n0:n0 + columns] = torch.where(packed >= 2**15, packed - 2**16, packed).reshape(-1, k // 4)
+        codes = unpack_along_rows(qweight[:, n0:n0 + columns], 4).to(torch.int32) ^ xor  # [K, cols]
+        by_slice = codes.t().reshape(-1, k // CHUNK, slices, run)  # input k = 64 c + r j + i -> [cols, c, j, i]
+        packed = sum(by_slice[:, :, j, :] << shift for j, shift in enumerate(shifts))  # [cols, c, i]
+        out[n0:n0 + columns] = torch.where(packed >= 2**(bits - 1), packed - 2**bits, packed).reshape(-1, k // slices)
     return out
+
+
+def repack_for_swap(qweight: torch.Tensor, columns: int = 1024) -> torch.Tensor:
+    """QuantLinear's int32 [K/8, N] -> this kernel's int16 [N, K/4] (see module doc)."""
+    return pack_nibble_slices(qweight, (0, 4, 8, 12), torch.int16, columns=columns)
 
 
 def swap_layout_codes(packed: torch.Tensor) -> torch.Tensor:

@@ -61,21 +61,24 @@ def test_matches_float64(dtype: torch.dtype, group: int) -> None:
         w4a16_swap_matmul(x, packed, layer.scales, None, 64, dict(config, BLOCK_K=128) | _LAUNCH)
 
 
-def run_slice_ptx(asm: str, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Executes one of the kernel's slice PTX blocks on every int32 of `packed` (two int16 each): a tiny
-    interpreter of the five instructions the blocks use (half2 arithmetic is exact here, as the kernel's is)."""
-    regs = {"$1": packed.to(torch.int64) & 0xFFFFFFFF}
+def halves(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int32 bits -> [.., 2] float64 values of the two 16-bit `dtype` halves."""
+    pair = torch.stack([v & 0xFFFF, v >> 16], dim=-1).to(torch.int32)
+    return torch.where(pair >= 2**15, pair - 2**16, pair).to(torch.int16).view(dtype).double()
 
-    def halves(v: torch.Tensor) -> torch.Tensor:  # int32 bits -> [.., 2] values of `dtype`
-        pair = torch.stack([v & 0xFFFF, v >> 16], dim=-1).to(torch.int32)
-        return torch.where(pair >= 2**15, pair - 2**16, pair).to(torch.int16).view(dtype).double()
+
+def run_ptx(asm: str, words: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Executes one of the kernels' slice PTX blocks on every int32 of `words` and returns $0's 32 bits: a tiny
+    interpreter of the instructions the blocks use (half2 arithmetic on `dtype` is exact here, as the
+    kernels' is)."""
+    regs = {"$1": words.to(torch.int64) & 0xFFFFFFFF}
 
     def bits(x: torch.Tensor) -> torch.Tensor:
         h = x.to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
         return h[..., 0] | (h[..., 1] << 16)
 
     def value(operand: str) -> torch.Tensor:
-        return regs[operand] if operand in regs else torch.full_like(packed, int(operand, 0), dtype=torch.int64)
+        return regs[operand] if operand in regs else torch.full_like(words, int(operand, 0), dtype=torch.int64)
 
     for line in asm.splitlines():
         parts = line.strip().rstrip(";").replace(",", " ").split()
@@ -87,15 +90,19 @@ def run_slice_ptx(asm: str, packed: torch.Tensor, dtype: torch.dtype) -> torch.T
             regs[dst] = a[0]
         elif op == "shr.b32":
             regs[dst] = a[0] >> a[1]
+        elif op == "shl.b32":
+            regs[dst] = (a[0] << a[1]) & 0xFFFFFFFF
+        elif op == "and.b32":
+            regs[dst] = a[0] & a[1]
         elif op == "lop3.b32":
             assert src[3] == "0xEA"  # (a & b) | c
             regs[dst] = (a[0] & a[1]) | a[2]
         elif op in ("sub.f16x2", "fma.rn.f16x2", "fma.rn.bf16x2"):
-            h = [halves(v) for v in a]
+            h = [halves(v, dtype) for v in a]
             regs[dst] = bits(h[0] - h[1] if op.startswith("sub") else h[0] * h[1] + h[2])
         else:
             raise AssertionError(f"unknown instruction {line!r}")
-    return halves(regs["$0"])
+    return regs["$0"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -107,7 +114,7 @@ def test_slice_ptx_gives_codes_minus_eight(dtype: torch.dtype) -> None:
     packed = (values & 0xFFFF) | (values.flip(0) & 0xFFFF) << 16
     pair = torch.stack([values, values.flip(0)], dim=-1) & 0xFFFF
     for j in range(4):
-        out = run_slice_ptx(_slice_ptx(j, "fp16" if dtype == torch.float16 else "bf16"), packed, dtype)
+        out = halves(run_ptx(_slice_ptx(j, "fp16" if dtype == torch.float16 else "bf16"), packed, dtype), dtype)
         assert torch.equal(out, ((pair >> (4 * j)) & 0xF).double() - 8), j
 
 
@@ -145,14 +152,18 @@ def test_swap_kernel_compiles_to_register_operand_wgmma_for_sm90() -> None:
     compile_for_sm90(SWAP_COMPILE)
 
 
-def test_swap_configs_lead_the_tuner_from_two_tokens_to_64() -> None:
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a8"])
+def test_swap_configs_lead_the_tuner_from_two_tokens_to_64(scheme: str) -> None:
     from quantkit.kernels.autotune import candidates
 
-    assert candidates("w4a16", 1, 4096, 4096, 128, swap=True)[0]["kernel"] == "gemv_h2"  # one token: gemv
+    assert candidates(scheme, 1, 4096, 4096, 128, swap=True)[0]["kernel"] == "gemv_h2"  # one token: gemv
     for m in (2, 16, 64):
-        first = candidates("w4a16", m, 4096, 4096, 128, swap=True)[0]
+        first = candidates(scheme, m, 4096, 4096, 128, swap=True)[0]
         assert first["kernel"] == "swap" and first["BLOCK_M"] == max(16, m) and first["BLOCK_K"] == 128
-    assert all(c["kernel"] != "swap" for c in candidates("w4a16", 16, 4096, 4096, 128))  # no swap layout
-    assert all(c["kernel"] != "swap" for c in candidates("w4a16", 256, 4096, 4096, 128, swap=True))
-    swapped = [c for c in candidates("w4a16", 16, 4160, 4096, 64, swap=True) if c["kernel"] == "swap"]
+    assert all(c["kernel"] != "swap" for c in candidates(scheme, 16, 4096, 4096, 128))  # no swap layout
+    for m in (256, 1024):  # large M: wgmma N of 128 / 256 join the timed candidates, never the default
+        large = candidates(scheme, m, 4096, 4096, 128, swap=True)
+        assert large[0]["kernel"] != "swap"
+        assert {c["BLOCK_M"] for c in large if c["kernel"] == "swap"} == {128, 256}
+    swapped = [c for c in candidates(scheme, 16, 4160, 4096, 64, swap=True) if c["kernel"] == "swap"]
     assert swapped and all(c["BLOCK_K"] == 64 and 4160 % c["BLOCK_N"] == 0 for c in swapped)  # g64: K tile 64

@@ -32,21 +32,38 @@ def test_kernel_forward_matches_reference_forward(act_bits, group, two_level, dt
     assert relative_error(out, layer.reference_forward(x).double()) < 2e-2
 
 
-def test_symmetric_fp16_layers_run_the_swap_kernel_through_quantlinear(monkeypatch):
-    """From 2 to 64 tokens the swap kernel is the default; its weight copy exists for symmetric fp16 only."""
-    import quantkit.kernels.w4a16_swap as swap
+@pytest.mark.parametrize(("act_bits", "group"), [(16, 64), (8, 64), (8, -1)])
+def test_symmetric_fp16_layers_run_the_swap_kernel_through_quantlinear(monkeypatch, act_bits, group):
+    """From 2 to 64 tokens the swap kernel is the default; its weight copy exists for symmetric fp16 layers
+    (W4A8: per channel, or two-level with integer group scales, as quantkit's QQQ writes them)."""
+    import quantkit.kernels.w4a8_swap as swap8
+    import quantkit.kernels.w4a16_swap as swap16
     from quantkit.kernels import swap_weight_for
 
-    layer = random_layer(256, 128, 64, torch.float16, sym=True)
-    assert torch.equal(swap_weight_for(layer, True), swap.repack_for_swap(layer.qweight))
+    two_level = act_bits == 8 and group != -1
+    mod, name = (swap16, "w4a16_swap_matmul") if act_bits == 16 else (swap8, "w4a8_swap_matmul")
+    repack = swap16.repack_for_swap if act_bits == 16 else swap8.repack_for_w4a8_swap
+
+    def layer_in(dtype: torch.dtype) -> QuantLinear:
+        layer = random_layer(256, 128, group, dtype, sym=True, act_bits=act_bits, two_level=two_level)
+        if two_level:
+            layer.scales.copy_(torch.randint(1, 17, layer.scales.shape).to(dtype))
+        return layer
+
+    layer = layer_in(torch.float16)
+    assert torch.equal(swap_weight_for(layer, True), repack(layer.qweight))
     assert swap_weight_for(layer, False) is None  # zero points
-    assert swap_weight_for(random_layer(256, 128, 64, torch.bfloat16, sym=True), True) is None
-    configs, real = [], swap.w4a16_swap_matmul
-    monkeypatch.setattr(swap, "w4a16_swap_matmul", lambda *args: configs.append(args[-1]) or real(*args))
+    assert swap_weight_for(layer_in(torch.bfloat16), True) is None  # not checked on a GPU yet
+    assert swap_weight_for(layer_in(torch.bfloat16), True, unchecked_dtypes=True) is not None
+    configs, real = [], getattr(mod, name)
+    monkeypatch.setattr(mod, name, lambda *args: configs.append(args[-1]) or real(*args))
     forward = make_kernel_forward(layer)
     x = torch.randn(5, 256, dtype=torch.float16)
     assert relative_error(forward(x), layer.reference_forward(x).double()) < 2e-3
     assert [c["kernel"] for c in configs] == ["swap"]
+    if two_level:  # fractional group scales (a QQQ-reference checkpoint): the other kernels
+        layer.scales.add_(0.5)
+        assert swap_weight_for(layer, True) is None
     monkeypatch.setenv("QUANTKIT_SWAP_KERNEL", "0")
     assert swap_weight_for(layer, True) is None
 

@@ -1,0 +1,115 @@
+"""W4A8 GEMM on Hopper: out^T = W x_int8^T on int8 wgmma, with the int4 weight as the register operand.
+
+The W4A8 sibling of w4a16_swap.py (read its doc first): the weight fills wgmma's 64-row side from registers,
+the per-token int8 activations (w4a8.quantize_rows) its N side from shared memory, both cp.async-pipelined.
+Int8 wgmma takes K = 32 per instruction, so the weight's own layout has two slices of 32 inputs per 64-input
+chunk: int8 [N, K/2], byte (n, t) holding input 64 (t // 32) + t % 32 in its high nibble and input
+64 (t // 32) + 32 + t % 32 in its low one, each as q - 8 in 4-bit two's complement (q xor 8). A nibble in
+the high half of a byte *is* the int8 16 (q - 8), so a slice costs one `and` (high) or `shl` + `and` (low) per
+four weights, and the int32 accumulator holds 16 times the dot product (|16 (q - 8)| <= 128: no overflow for
+K <= 2**31 / (127 * 128) = 132,104).
+
+Two-level (QQQ) scales are taken when every group scale is an integer k (what quantkit's QQQ writes:
+s_g = k * s_ch, k in 1..16): then round((q - 8) k) = (q - 8) k, and each K tile's int32 dot (a K tile never
+spans two groups) is shifted back by 4 and multiplied by k exactly, so the result equals QQQ's int8 weights
+accumulated over all of K. Per channel the dot accumulates straight through. Epilogue: token scale x channel
+scale (/ 16), bias, fused split-K (w4a16's `_store_output`). Symmetric weights only (zero 8).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .w4a8 import quantize_rows
+from .w4a16 import _interpreting, _store_output, split_buffers
+from .w4a16_swap import _CHUNK, CHUNK, pack_nibble_slices
+
+RUN = 32  # contiguous inputs per slice: int8 wgmma's K
+_RUN = tl.constexpr(RUN)
+MAX_K = 2**31 // (127 * 128)  # the int32 accumulator of 127 * 16 (q - 8) products stays exact up to this K
+_HIGH = tl.constexpr("and.b32 $0, $1, 0xF0F0F0F0;")
+_LOW = tl.constexpr("{\n.reg .b32 t;\nshl.b32 t, $1, 4;\nand.b32 $0, t, 0xF0F0F0F0;\n}")
+
+
+def repack_for_w4a8_swap(qweight: torch.Tensor, columns: int = 1024) -> torch.Tensor:
+    """QuantLinear's int32 [K/8, N] -> this kernel's int8 [N, K/2] (see module doc)."""
+    return pack_nibble_slices(qweight, (4, 0), torch.int8, xor=8, columns=columns)
+
+
+@triton.jit
+def _slice(b, j: tl.constexpr, PTX: tl.constexpr):
+    """Slice j of the int8 weight tile as 16 (q - 8): elementwise, so it stays in wgmma's register layout."""
+    if PTX:  # four bytes per instruction
+        return tl.inline_asm_elementwise(_HIGH if j == 0 else _LOW, "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
+    return b & -16 if j == 0 else b << 4
+
+
+@triton.jit
+def _w4a8_swap_kernel(xq_ptr, ts_ptr, b_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                      GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PTX: tl.constexpr):
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % grid_m, pid // grid_m  # the M blocks of one weight tile run together (L2 reuse)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = tl.arange(0, BLOCK_K // 2)
+    b_ptrs = b_ptr + offs_n[:, None] * (K // 2) + offs_t[None, :]
+    x_ptrs = xq_ptr + offs_m[None, :] * K + ((offs_t // _RUN) * _CHUNK + offs_t % _RUN)[:, None]  # slice 0, [BK/2, BM]
+    m_mask = offs_m[None, :] < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
+    for kt in range(pid_k, K // BLOCK_K, SPLIT_K):
+        k0 = kt * BLOCK_K
+        b = tl.load(b_ptrs + k0 // 2)
+        tile = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32) if TWO_LEVEL else acc
+        for j in tl.static_range(2):
+            xt = tl.load(x_ptrs + k0 + _RUN * j, mask=m_mask, other=0)
+            tile = tl.dot(_slice(b, j, PTX), xt, tile, out_dtype=tl.int32)
+        if TWO_LEVEL:  # 16 (q - 8) . x, exactly divisible by 16, times the group's integer multiplier
+            acc += (tile >> 4) * tl.load(gs_ptr + (k0 // GROUP) * N + offs_n).to(tl.int32)[:, None]
+        else:
+            acc = tile
+    out = acc.to(tl.float32) * tl.load(cs_ptr + offs_n)[:, None]
+    out *= tl.load(ts_ptr + offs_m, mask=offs_m < M, other=0.0)[None, :] * (1.0 if TWO_LEVEL else 0.0625)
+    _store_output(tl.trans(out), out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid,
+                  SPLIT_K, SPLIT_K > 1, HAS_BIAS)
+
+
+def w4a8_swap_supported(k: int, n: int, group_size: int, symmetric: bool,
+                        group_scales: torch.Tensor | None) -> bool:
+    """Whether `w4a8_swap_matmul` takes this layer: symmetric, K and N multiples of 64, per channel or
+    two-level with groups of 64 or more and integer group scales."""
+    integer = group_scales is None or bool((group_scales == group_scales.round()).all())
+    grouped = group_scales is not None and group_size != k
+    return (symmetric and integer and k % CHUNK == 0 and n % 64 == 0 and k <= MAX_K
+            and (not grouped or group_size % CHUNK == 0))
+
+
+def w4a8_swap_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: torch.Tensor,
+                     group_scales: torch.Tensor | None, bias: torch.Tensor | None, group_size: int,
+                     config: dict) -> torch.Tensor:
+    """x [M, K] fp16/bf16 contiguous, packed = repack_for_w4a8_swap(qweight), channel_scales fp32 [N],
+    group_scales [G, N] integer-valued (two-level) or None (per channel) -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = packed.shape[0]
+    split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    two_level = group_scales is not None and group_size != k
+    if k % block_k or n % block_n or block_k % CHUNK or (two_level and group_size % block_k):
+        raise ValueError(f"w4a8 swap kernel: K tile {block_k} (a multiple of {CHUNK}) / N tile {block_n} must "
+                         f"divide K {k} / N {n} and the group {group_size}")
+    xq, ts, _ = quantize_rows(x)
+    grid = (triton.cdiv(m, block_m) * (n // block_n), split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part, counters = split_buffers(split, m, n, math.prod(grid[:-1]), x.device) if split > 1 else (out, out)
+    if group_scales is not None and not two_level:  # one group over all of K: its multiplier joins the channel
+        channel_scales = channel_scales * group_scales[0].float()
+    _w4a8_swap_kernel[grid](
+        xq, ts, packed, channel_scales, group_scales if two_level else channel_scales,
+        bias if bias is not None else channel_scales, out, part, counters, m, n, k, GROUP=group_size,
+        TWO_LEVEL=two_level, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split, PTX=not _interpreting(), num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return out

@@ -1,0 +1,147 @@
+"""The swap-AB W4A8 kernel (int8 register-operand wgmma) and its weight layout, under Triton's CPU interpreter."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are decorated at import
+
+import pytest
+import torch
+from quantkit.kernels.w4a8_swap import (
+    _HIGH,
+    _LOW,
+    repack_for_w4a8_swap,
+    w4a8_swap_matmul,
+    w4a8_swap_supported,
+)
+from test_kernels_w4a8 import TOLERANCE, reference_w4a8
+from test_kernels_w4a16 import compile_for_sm90, poisoned_outputs, random_layer, relative_error  # noqa: F401
+from test_kernels_w4a16_swap import run_ptx
+
+from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
+
+
+def layout_codes(packed: torch.Tensor) -> torch.Tensor:
+    """The layout's definition, element by element: int8 [N, K/2] -> codes [K, N]."""
+    n, half = packed.shape
+    byte = packed.to(torch.int32) & 0xFF
+    codes = torch.empty(half * 2, n, dtype=torch.int32)
+    for t in range(half):
+        codes[64 * (t // 32) + t % 32] = (byte[:, t] >> 4) ^ 8
+        codes[64 * (t // 32) + 32 + t % 32] = (byte[:, t] & 0xF) ^ 8
+    return codes
+
+
+def qqq_layer(k: int, n: int, group: int, dtype: torch.dtype, seed: int) -> QuantLinear:
+    """Symmetric W4A8 layer as quantkit's QQQ writes it: two-level group scales are integers 1..16."""
+    layer = random_layer(k, n, group, dtype, sym=True, act_bits=8, two_level=group != -1, seed=seed)
+    if group != -1:
+        gen = torch.Generator().manual_seed(seed)
+        layer.scales.copy_(torch.randint(1, 17, layer.scales.shape, generator=gen).to(dtype))
+    return layer
+
+
+def test_repack_follows_the_layout_definition() -> None:
+    gen = torch.Generator().manual_seed(0)
+    qweight = torch.randint(-2**31, 2**31 - 1, (192 // 8, 24), generator=gen, dtype=torch.int32)
+    packed = repack_for_w4a8_swap(qweight)
+    assert packed.shape == (24, 192 // 2) and packed.dtype == torch.int8
+    assert torch.equal(layout_codes(packed), unpack_along_rows(qweight, 4).to(torch.int32))
+    assert torch.equal(repack_for_w4a8_swap(qweight, columns=7), packed)
+
+
+def test_slices_are_sixteen_times_code_minus_eight() -> None:
+    """Both PTX slices on every byte value in every byte position: 16 (q - 8) of the high / low nibble."""
+    values = torch.arange(256, dtype=torch.int64)
+    for position in range(4):
+        words = values << (8 * position) | (values.flip(0) << (8 * ((position + 1) % 4)))
+        for asm, nibble in ((_HIGH.value, values >> 4), (_LOW.value, values & 0xF)):
+            byte = (run_ptx(asm, words) >> (8 * position)) & 0xFF
+            signed = torch.where(byte >= 128, byte - 256, byte)
+            assert torch.equal(signed, 16 * ((nibble ^ 8) - 8)), asm
+
+
+def test_supported_layers() -> None:
+    integer = torch.randint(1, 17, (32, 4096)).half()
+    assert w4a8_swap_supported(4096, 4096, 128, True, integer) and w4a8_swap_supported(4096, 4096, 4096, True, None)
+    assert not w4a8_swap_supported(4096, 4096, 128, True, integer + 0.5)  # QQQ-reference fractional scales
+    assert not w4a8_swap_supported(4096, 4096, 128, False, integer)  # zero points
+    assert not w4a8_swap_supported(4096, 4096, 32, True, integer)  # a group inside a 64-input chunk
+    assert not w4a8_swap_supported(4096, 4160 + 8, 128, True, integer)
+    assert not w4a8_swap_supported(2**18, 4096, -1, True, None)  # int32 accumulator overflow
+
+
+_LAUNCH = dict(kernel="swap", num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [64, 128, -1])
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_matches_int8_reference(dtype: torch.dtype, group: int) -> None:
+    layer = qqq_layer(256, 128, group, dtype, seed=group + 5)
+    packed = repack_for_w4a8_swap(layer.qweight)
+    two_level = group != -1
+    channel = layer.channel_scales if two_level else layer.scales[0].float()
+    for m, config in [(1, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1)),
+                      (19, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2)),  # two M blocks, split K
+                      (5, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, SPLIT_K=4))]:
+        if two_level:
+            config = {**config, "BLOCK_K": min(config["BLOCK_K"], group)}
+        x = (3 * torch.randn(m, 256, generator=torch.Generator().manual_seed(m))).to(dtype)
+        out = w4a8_swap_matmul(x, packed, channel, layer.scales if two_level else None, layer.bias,
+                               layer.group_size, config | _LAUNCH)
+        assert out.shape == (m, 128) and out.dtype == dtype and not out.isnan().any(), config
+        assert relative_error(out, reference_w4a8(layer, x)) < TOLERANCE[dtype], config
+    with pytest.raises(ValueError, match="K tile"):
+        w4a8_swap_matmul(x, packed, channel, layer.scales, None, 64, dict(config, BLOCK_K=128) | _LAUNCH)
+
+
+def test_int32_result_is_exact() -> None:
+    """Before the float epilogue the kernel's sum is QQQ's int8 dot product exactly: with a unit token scale,
+    a power-of-two channel scale and integer activations, the output is the integer reference rounded once."""
+    layer = qqq_layer(512, 64, 128, torch.float16, seed=1)
+    packed = repack_for_w4a8_swap(layer.qweight)
+    x = torch.randint(-127, 128, (3, 512)).float()
+    x[:, 0] = 127  # every token's absmax 127: its scale is exactly 1 and x_int8 = x
+    q = unpack_along_rows(layer.qweight, 4).to(torch.int64) - 8
+    w = q * layer.scales.to(torch.int64).repeat_interleave(128, dim=0)
+    exact = x.to(torch.int64) @ w
+    out = w4a8_swap_matmul(x.half(), packed, torch.full((64,), 2.0**-10), layer.scales, None, 128,
+                           dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1) | _LAUNCH)
+    assert exact.abs().max() > 2**17 and out.isfinite().all()  # far beyond fp16 integers (2**11), fp32-exact
+    assert torch.equal(out, (exact.double() * 2.0**-10).half())
+
+
+SWAP_COMPILE = """
+import re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from quantkit.kernels.w4a8_swap import _w4a8_swap_kernel as fn
+for two_level, split in ((True, 4), (False, 1)):
+    sig = {"xq_ptr": "*i8", "ts_ptr": "*fp32", "b_ptr": "*i8", "cs_ptr": "*fp32", "gs_ptr": "*fp16",
+           "bias_ptr": "*fp16", "out_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
+           "N": "i32", "K": "i32"}
+    sig.update({name: "constexpr" for name in fn.arg_names if name not in sig})
+    consts = dict(GROUP=128, TWO_LEVEL=two_level, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
+                  SPLIT_K=split, PTX=True)
+    aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in
+               ("xq_ptr", "ts_ptr", "b_ptr", "cs_ptr", "gs_ptr", "bias_ptr", "out_ptr", "part_ptr", "count_ptr",
+                "N", "K")}
+    kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    loop = ttgir[ttgir.index("scf.for"):]
+    # int8 wgmma with the weight from registers: its A operand is a {...} register list, not a descriptor
+    assert re.search(r"wgmma.mma_async.sync.aligned.m64n16k32.s32.s8.s8 [{][^}]*[}], [{]", ptx)
+    assert "0xF0F0F0F0" in ptx and kernel.asm["cubin"]
+    assert not re.search(r"local_alloc %", loop), "a tensor goes through shared memory inside the K loop"
+    assert "async_copy_global_to_local" in ttgir, "weight and x loads are not pipelined (cp.async)"
+print("compiled")
+"""
+
+
+def test_swap_kernel_compiles_to_register_operand_int8_wgmma_for_sm90() -> None:
+    """On its sm_90 compile (Triton's bundled ptxas, no GPU needed): int8 wgmma takes the weight slices from
+    registers, nothing but the cp.async copies goes through shared memory in the K loop, the PTX assembles."""
+    compile_for_sm90(SWAP_COMPILE)
