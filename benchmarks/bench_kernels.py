@@ -73,13 +73,12 @@ def reference(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def config_runner(layer: QuantLinear):
-    """run(x, cfg): one explicit config (bypassing the tuner) with the buffers make_kernel_forward would pass
-    (the swap layout in every dtype, checked or not), prepared here once, so run() has no host sync and can be
-    captured in a CUDA graph."""
+    """run(x, cfg): one explicit config (bypassing the tuner) with the buffers make_kernel_forward would pass,
+    prepared here once, so run() has no host sync and can be captured in a CUDA graph."""
     from quantkit.kernels import swap_weight_for, w4a8_run, w4a16_run
 
     zeros = None if bool((layer.zeros == 8).all()) else layer.zeros
-    swap = swap_weight_for(layer, zeros is None, unchecked_dtypes=True)
+    swap = swap_weight_for(layer, zeros is None)
     if layer.act_bits == 16:
         return lambda x, cfg: w4a16_run(x, layer.qweight, layer.scales, zeros, layer.bias, layer.group_size, swap, cfg)
     two = layer.channel_scales is not None
@@ -127,7 +126,7 @@ def check_correctness(log, schemes: list[str]) -> int:
 
 def check_swap(log, schemes: list[str]) -> int:
     """The swap kernels vs float64 with NaN-poisoned outputs: every candidate config for fp16 g128, the first
-    three for fp16 g64 / per-channel and bf16 g128 (whether bf16 is enabled depends on this check)."""
+    three for fp16 g64 / per-channel and bf16 g128."""
     from quantkit.kernels.autotune import candidates
 
     failures = 0

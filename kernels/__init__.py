@@ -79,21 +79,14 @@ def w4a8_run(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tenso
     return w4a8_matmul(x, qweight, channel_scales, group_scales, zeros, bias, group_size, cfg)
 
 
-# Output dtypes each swap kernel has been checked in on an H200 (the others pass the CPU checks only).
-SWAP_GPU_CHECKED = {16: (torch.float16,), 8: (torch.float16,)}
-
-
-def swap_weight_for(layer: torch.nn.Module, symmetric: bool, unchecked_dtypes: bool = False) -> torch.Tensor | None:
+def swap_weight_for(layer: torch.nn.Module, symmetric: bool) -> torch.Tensor | None:
     """The swap kernel's copy of a layer's weight (0.5 byte per weight more on the GPU), or None when the
-    kernel cannot take the layer, its dtype was not checked on a GPU (unless unchecked_dtypes) or
-    QUANTKIT_SWAP_KERNEL=0."""
+    kernel cannot take the layer or QUANTKIT_SWAP_KERNEL=0."""
     from .w4a8_swap import repack_for_w4a8_swap, w4a8_swap_supported
     from .w4a16_swap import repack_for_swap, swap_supported
 
     k, n, group = layer.in_features, layer.out_features, layer.group_size
     if os.environ.get("QUANTKIT_SWAP_KERNEL", "1") == "0":
-        return None
-    if not (unchecked_dtypes or layer.scales.dtype in SWAP_GPU_CHECKED[layer.act_bits]):
         return None
     if layer.act_bits == 16:
         return repack_for_swap(layer.qweight) if swap_supported(k, n, group, symmetric) else None

@@ -45,34 +45,50 @@ from .w4a16 import (
 ROUND_F32 = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + ROUND_F32 rounds x to an integer (nearest-even) for |x| < 2**22
 
 
+ONE_PASS_K = 32768  # rows up to this long are held in registers: one read of x, one memory latency
+
+
 @triton.jit
-def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, sum_ptr, K, BLOCK: tl.constexpr):
+def _quantize_block(x, scale, xq_ptr, offs, mask):
+    """Stores round_half_even(x / scale) clamped to +-127 as int8; returns the int32 codes (0 where masked)."""
+    q = (tl.math.div_rn(x, scale) + ROUND_F32) - ROUND_F32
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
+    tl.store(xq_ptr + offs, q.to(tl.int8), mask=mask)
+    return q
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, sum_ptr, K, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    if ONE_PASS:  # the whole row in registers
         x = tl.load(x_ptr + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-8), 127.0)
-    total = tl.zeros((BLOCK,), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = (tl.math.div_rn(x, scale) + ROUND_F32) - ROUND_F32
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
-        tl.store(xq_ptr + row * K + offs, q.to(tl.int8), mask=offs < K)
-        total += q
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8), 127.0)
+        total = _quantize_block(x, scale, xq_ptr + row * K, offs, offs < K)
+    else:  # long rows: a max pass, then a quantizing pass
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * K + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-8), 127.0)
+        total = tl.zeros((BLOCK,), dtype=tl.int32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * K + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            total += _quantize_block(x, scale, xq_ptr + row * K + k0, offs, k0 + offs < K)
     tl.store(scale_ptr + row, scale)
     tl.store(sum_ptr + row, tl.sum(total, axis=0))
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, one_pass_k: int = ONE_PASS_K) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int8 [M, K], fp32 token scales [M], int32 sums of the int8 rows [M])."""
     m, k = x.shape
     xq = torch.empty(m, k, dtype=torch.int8, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     total = torch.empty(m, dtype=torch.int32, device=x.device)
-    _quantize_rows_kernel[(m,)](x, xq, scale, total, k, BLOCK=min(4096, triton.next_power_of_2(k)), num_warps=8)
+    one_pass = k <= one_pass_k
+    block = triton.next_power_of_2(k) if one_pass else 4096
+    _quantize_rows_kernel[(m,)](x, xq, scale, total, k, BLOCK=block, ONE_PASS=one_pass,
+                                num_warps=max(4, min(16, block // 1024)))
     return xq, scale, total
 
 

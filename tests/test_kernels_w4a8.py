@@ -61,11 +61,13 @@ def test_every_path_matches_int8_reference(dtype, group, two_level, sym):
         assert relative_error(out, reference_w4a8(layer, x)) < TOLERANCE[dtype], config
 
 
+@pytest.mark.parametrize(("k", "one_pass_k"), [(96, 32768), (9000, 0)])  # row in registers; 3 blocks, 2 passes
 @pytest.mark.usefixtures("poisoned_outputs")
-def test_activation_quantization_is_exact():
-    x = torch.randn(5, 96, dtype=torch.float16) * torch.tensor([1e-3, 1, 30, 500, 0.1]).half()[:, None]
+def test_activation_quantization_is_exact(k, one_pass_k):
+    x = torch.randn(5, k, dtype=torch.float16) * torch.tensor([1e-3, 1, 30, 500, 0.1]).half()[:, None]
     x[2, :] = 0  # an all-zero token: scale floors at 1e-8 / 127
-    xq, scale, total = quantize_rows(x)
+    x[4, -1] = 3.0  # the row's max in the last, partial block
+    xq, scale, total = quantize_rows(x, one_pass_k)
     ref_scale = x.abs().amax(dim=-1).float().clamp(min=1e-8) / 127.0
     ref_q = torch.round(x.float() / ref_scale[:, None]).clamp(-127, 127)
     torch.testing.assert_close(scale, ref_scale, rtol=0, atol=0)

@@ -33,9 +33,9 @@ def test_kernel_forward_matches_reference_forward(act_bits, group, two_level, dt
 
 
 @pytest.mark.parametrize(("act_bits", "group"), [(16, 64), (8, 64), (8, -1)])
-def test_symmetric_fp16_layers_run_the_swap_kernel_through_quantlinear(monkeypatch, act_bits, group):
-    """From 2 to 64 tokens the swap kernel is the default; its weight copy exists for symmetric fp16 layers
-    (W4A8: per channel, or two-level with integer group scales, as quantkit's QQQ writes them)."""
+def test_symmetric_layers_run_the_swap_kernel_through_quantlinear(monkeypatch, act_bits, group):
+    """From 2 to 64 tokens the swap kernel is the default; its weight copy exists for symmetric layers (W4A8:
+    per channel, or two-level with integer group scales, as quantkit's QQQ writes them)."""
     import quantkit.kernels.w4a8_swap as swap8
     import quantkit.kernels.w4a16_swap as swap16
     from quantkit.kernels import swap_weight_for
@@ -53,8 +53,7 @@ def test_symmetric_fp16_layers_run_the_swap_kernel_through_quantlinear(monkeypat
     layer = layer_in(torch.float16)
     assert torch.equal(swap_weight_for(layer, True), repack(layer.qweight))
     assert swap_weight_for(layer, False) is None  # zero points
-    assert swap_weight_for(layer_in(torch.bfloat16), True) is None  # not checked on a GPU yet
-    assert swap_weight_for(layer_in(torch.bfloat16), True, unchecked_dtypes=True) is not None
+    assert swap_weight_for(layer_in(torch.bfloat16), True) is not None
     configs, real = [], getattr(mod, name)
     monkeypatch.setattr(mod, name, lambda *args: configs.append(args[-1]) or real(*args))
     forward = make_kernel_forward(layer)
