@@ -66,27 +66,26 @@ def _fits(cfg: dict, k: int, group: int) -> bool:
 
 # H200 sweeps (benchmarks/kernels/sweep_swap_tiles_2026-12-03.md): (16, 128, 128, 4, 4) is within 5% of the best
 # in every M <= 16 cell, (64, 128, 128, 8, 3) in 6 of 6 at M = 64; BLOCK_N 256 and BLOCK_K 64 never were.
-# BLOCK_M 128 / 256 (wgmma N up to 256) are the large-M candidates. W4A8's int8 dots take K = 32 per
-# instruction and dequantize for ~0.4 instructions per weight, so longer K tiles are worth a try there.
+# W4A8 (sweep_w4a8_swap_2026-12-03.md): BLOCK_K 256 never won; at M = 128..512 a 128-token tile (wgmma N 128)
+# beat int8 cuBLAS on 4 of 6 shapes at M = 256, lost at M >= 1024; BLOCK_M 256 always lost (0.1-0.5x), as
+# did every W4A16 swap tile from M = 256 on (sweep_w4a16_swap_large_m_2026-12-03.md).
 SWAP_TILES = {  # (BM, BN, BK, warps, stages)
     "w4a16": ((16, 128, 128, 4, 4), (16, 64, 128, 4, 4), (32, 128, 128, 4, 4), (32, 128, 128, 8, 3),
-              (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (64, 256, 128, 8, 3), (128, 128, 128, 8, 3),
-              (256, 128, 64, 8, 3), (128, 256, 64, 8, 3)),
-    "w4a8": ((16, 128, 128, 4, 4), (16, 128, 256, 4, 3), (16, 64, 256, 4, 4), (16, 256, 128, 8, 3),
-             (32, 128, 128, 4, 4), (32, 128, 256, 4, 3), (64, 128, 128, 8, 3), (64, 128, 256, 8, 3),
-             (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (256, 128, 128, 8, 3), (128, 256, 128, 8, 3)),
+              (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (64, 256, 128, 8, 3)),
+    "w4a8": ((16, 128, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 128, 4, 4), (32, 128, 128, 4, 4),
+             (32, 64, 128, 4, 4), (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3)),
 }
 
 
 def swap_candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
-    """The swap kernels' configs (their BLOCK_M is wgmma's N: the M bucket up to 64, at least 16; 128 and
-    256 above)."""
+    """The swap kernels' configs (their BLOCK_M is wgmma's N: the M bucket up to 64, at least 16; 128 for
+    W4A8 at M = 128..512)."""
     b = m_bucket(m)
-    block_ms = (max(16, b),) if b <= 64 else (128, 256)
+    block_m = max(16, b) if b <= 64 else 128 if b <= 512 else 0
     out = []
     for bm, bn, bk, warps, stages in SWAP_TILES[scheme]:
         bk = bk if group == k else min(bk, group)  # a K tile stays inside one group
-        if bm not in block_ms or n % bn or k % bk or (group != k and group % bk):
+        if bm != block_m or n % bn or k % bk or (group != k and group % bk):
             continue
         cfg = _tile("swap", bm, bn, bk, warps, stages, m, n, k)
         # each register-operand wgmma waits for the one before (Triton's rule for operands computed in the
@@ -100,7 +99,7 @@ def swap_candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dic
 def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = False) -> list[dict]:
     """Configs worth timing for this problem, the heuristic default first. scheme: 'w4a16' or 'w4a8'.
     swap: the layer has a swap kernel's weight layout (w4a16_swap / w4a8_swap: symmetric weights): its
-    configs lead from M = 2 to 64 and join the timed candidates above."""
+    configs lead from M = 2 to 64 (and join W4A8's timed candidates at M = 128..512)."""
     b = m_bucket(m)
     out: list[dict] = []
     bk_min = 32 if scheme == "w4a16" else 64  # int8 dot needs K >= 32 per instruction; 64 keeps it fed

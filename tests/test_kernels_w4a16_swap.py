@@ -161,9 +161,9 @@ def test_swap_configs_lead_the_tuner_from_two_tokens_to_64(scheme: str) -> None:
         first = candidates(scheme, m, 4096, 4096, 128, swap=True)[0]
         assert first["kernel"] == "swap" and first["BLOCK_M"] == max(16, m) and first["BLOCK_K"] == 128
     assert all(c["kernel"] != "swap" for c in candidates(scheme, 16, 4096, 4096, 128))  # no swap layout
-    for m in (256, 1024):  # large M: wgmma N of 128 / 256 join the timed candidates, never the default
+    for m in (256, 1024):  # W4A8 at M = 128..512: 128-token tiles join the timed candidates, not the default
         large = candidates(scheme, m, 4096, 4096, 128, swap=True)
-        assert large[0]["kernel"] != "swap"
-        assert {c["BLOCK_M"] for c in large if c["kernel"] == "swap"} == {128, 256}
+        swapped = {c["BLOCK_M"] for c in large if c["kernel"] == "swap"}
+        assert large[0]["kernel"] != "swap" and swapped == ({128} if (scheme, m) == ("w4a8", 256) else set())
     swapped = [c for c in candidates(scheme, 16, 4160, 4096, 64, swap=True) if c["kernel"] == "swap"]
     assert swapped and all(c["BLOCK_K"] == 64 and 4160 % c["BLOCK_N"] == 0 for c in swapped)  # g64: K tile 64
