@@ -471,6 +471,7 @@ def main() -> int:
                         help="only check and time every small-M config for M in 1..256 (w4a16 g128)")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop the sweep's gemv timings after this")
     parser.add_argument("--kernels", nargs="+", default=None, help="sweep: time only these tiled kernel kinds")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="grid: these")
     parser.add_argument("--check-swap", action="store_true", help="check the swap kernels' configs first")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -508,12 +509,12 @@ def main() -> int:
 
     results, layers = [], {}
     for scheme in args.schemes:
-        for shape, (k, n) in SHAPES.items():
+        for shape, (k, n) in [(s, SHAPES[s]) for s in args.shapes]:
             for m in args.ms or MS:
                 t0 = time.time()
                 row = dict(scheme=scheme, shape=shape, K=k, N=n, M=m, group=args.group, device=meta["device"],
                            **bench_cell(scheme, k, n, m, args.group, layers))
-                flags = "z0swap" if scheme == "w4a16" else "z0two1" if args.group > 0 else "z0two0"
+                flags = "z0swap" if scheme == "w4a16" else "z0two1swap" if args.group > 0 else "z0two0swap"
                 g = args.group if args.group > 0 else k
                 key = f"{meta['device']}|{scheme}|{DTYPE}|N{n}|K{k}|g{g}|{flags}|M{m_bucket(m)}"
                 row["config"] = json.dumps(_cache().get(key) or "default").replace('"', "")
