@@ -111,15 +111,9 @@ def check_correctness(log, schemes: list[str]) -> int:
             ref = reference(layer, x)
             configs = candidates(scheme, m, 776, 1024, layer.group_size)
             for cfg in configs if sweep else configs[:1]:
-                out = run_config(layer, x, cfg)
-                err = ((out.double() - ref).norm() / ref.norm()).item()
-                if not err < tol:
-                    failures += 1
-                    log(f"FAIL {scheme} g{group} {dtype} sym={sym} m={m} {cfg}: rel err {err:.2e}")
-            err = ((forward(x).double() - ref).norm() / ref.norm()).item()
-            if not err < tol:
-                failures += 1
-                log(f"FAIL forward {scheme} g{group} {dtype} sym={sym} m={m}: rel err {err:.2e}")
+                failures += _failed(log, _rel_err(run_config(layer, x, cfg), ref), tol,
+                                    f"{scheme} g{group} {dtype} sym={sym} m={m} {cfg}")
+            failures += _failed(log, _rel_err(forward(x), ref), tol, f"forward {scheme} g{group} {dtype} sym={sym} m={m}")
         log(f"checked {scheme} g{group} {dtype} sym={sym}")
     return failures
 
@@ -140,10 +134,8 @@ def check_swap(log, schemes: list[str]) -> int:
                 configs = [c for c in candidates(scheme, m, 768, 1024, layer.group_size, swap=True)
                            if c["kernel"] == "swap"]
                 for cfg in configs if (group, dtype) == (128, torch.float16) else configs[:3]:
-                    err = _checked_err(layer, x, cfg, ref, log)
-                    if not err < tol:
-                        failures += 1
-                        log(f"FAIL swap {scheme} g{group} {dtype} m={m} {cfg}: rel err {err:.2e}")
+                    failures += _failed(log, _checked_err(layer, x, cfg, ref, log), tol,
+                                        f"swap {scheme} g{group} {dtype} m={m} {cfg}")
             log(f"checked swap {scheme} g{group} {dtype}")
     return failures
 
@@ -331,6 +323,14 @@ def _checked_err(layer: QuantLinear, x: torch.Tensor, cfg: dict, ref: torch.Tens
         return float("inf")
 
 
+def _failed(log, err: float, tol: float, what: str) -> int:
+    """1 (logged) if the relative error is not below tol, else 0."""
+    if err < tol:
+        return 0
+    log(f"FAIL {what}: rel err {err:.2e}")
+    return 1
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     err = ((out.double() - ref).norm() / ref.norm()).item()
     return err if math.isfinite(err) else float("inf")
@@ -373,10 +373,8 @@ def check_odd_shapes(log) -> int:
             sliced = [c for c in candidates("w4a16", m, n, k, layer.group_size) if c["kernel"] == "gemm_sliced"]
             gemvs = [c for kind in GEMV_KERNELS for c in gemv_sweep_configs(m, n, k, layer.group_size, kind)[::14]]
             for cfg in gemvs + sliced[:3]:  # each is a compile
-                err = _checked_err(layer, x, cfg, ref, log)
-                if not err < tol:
-                    failures += 1
-                    log(f"FAIL odd K{k} N{n} g{group} {dtype} sym={sym} m={m} {cfg}: {err:.2e}")
+                failures += _failed(log, _checked_err(layer, x, cfg, ref, log), tol,
+                                    f"odd K{k} N{n} g{group} {dtype} sym={sym} m={m} {cfg}")
     log(f"odd shapes checked: {failures} failures")
     return failures
 

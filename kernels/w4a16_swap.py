@@ -115,15 +115,21 @@ def _slice(h, j: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
+def _swap_program(M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(pid, pid_k, offs_m, offs_n) of a swap kernel program; the M blocks of one weight tile run together
+    (L2 reuse)."""
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % grid_m, pid // grid_m
+    return pid, pid_k, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
 def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                        GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr, PTX: tl.constexpr):
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    pid_m, pid_n = pid % grid_m, pid // grid_m  # the M blocks of one weight tile run together (L2 reuse)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid, pid_k, offs_m, offs_n = _swap_program(M, BLOCK_M, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_K // 4)
     h_ptrs = h_ptr + offs_n[:, None] * (K // 4) + offs_t[None, :]
     x_ptrs = x_ptr + offs_m[None, :] * K + ((offs_t // 16) * _CHUNK + offs_t % 16)[:, None]  # slice 0, [BK/4, BM]

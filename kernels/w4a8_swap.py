@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .w4a8 import quantize_rows
 from .w4a16 import _interpreting, _store_output, split_buffers
-from .w4a16_swap import _CHUNK, CHUNK, pack_nibble_slices
+from .w4a16_swap import _CHUNK, CHUNK, _swap_program, pack_nibble_slices
 
 RUN = 32  # contiguous inputs per slice: int8 wgmma's K
 _RUN = tl.constexpr(RUN)
@@ -52,11 +52,7 @@ def _slice(b, j: tl.constexpr, PTX: tl.constexpr):
 def _w4a8_swap_kernel(xq_ptr, ts_ptr, b_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                       GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PTX: tl.constexpr):
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    pid_m, pid_n = pid % grid_m, pid // grid_m  # the M blocks of one weight tile run together (L2 reuse)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid, pid_k, offs_m, offs_n = _swap_program(M, BLOCK_M, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_K // 2)
     b_ptrs = b_ptr + offs_n[:, None] * (K // 2) + offs_t[None, :]
     x_ptrs = xq_ptr + offs_m[None, :] * K + ((offs_t // _RUN) * _CHUNK + offs_t % _RUN)[:, None]  # slice 0, [BK/2, BM]

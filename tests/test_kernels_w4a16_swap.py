@@ -118,29 +118,38 @@ def test_slice_ptx_gives_codes_minus_eight(dtype: torch.dtype) -> None:
         assert torch.equal(out, ((pair >> (4 * j)) & 0xF).double() - 8), j
 
 
-SWAP_COMPILE = """
+REGISTER_OPERAND_CHECK = """
 import re
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
+
+
+def check_register_operand(fn, sig, consts, wgmma, marker):
+    \"\"\"Compiles fn for sm_90 (pointers, N and K 16-aligned, as the launches see them) and checks that wgmma
+    takes A from registers (a {...} register list, not a descriptor), that nothing but the pipelined cp.async
+    copies goes through shared memory inside the K loop, and that `marker` (the slice PTX) assembled.\"\"\"
+    aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a != "M"}
+    sig = {**sig, **{name: "constexpr" for name in fn.arg_names if name not in sig}}
+    kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    loop = ttgir[ttgir.index("scf.for"):]
+    assert re.search(wgmma + r" [{][^}]*[}], [{]", ptx), "no register-operand wgmma"
+    assert marker in ptx and kernel.asm["cubin"]
+    assert not re.search(r"local_alloc %", loop), "a tensor goes through shared memory inside the K loop"
+    assert "async_copy_global_to_local" in ttgir, "weight and x loads are not pipelined (cp.async)"
+"""
+
+SWAP_COMPILE = REGISTER_OPERAND_CHECK + """
 from quantkit.kernels.w4a16_swap import _w4a16_swap_kernel as fn
 for dtype in ("fp16", "bf16"):
     for per_channel, split in ((False, 4), (True, 1)):
         sig = {"x_ptr": "*" + dtype, "h_ptr": "*i16", "s_ptr": "*" + dtype, "bias_ptr": "*" + dtype,
                "out_ptr": "*" + dtype, "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32"}
-        sig.update({name: "constexpr" for name in fn.arg_names if name not in sig})
         consts = dict(GROUP=128, PER_CHANNEL=per_channel, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
                       SPLIT_K=split, UPCAST_DOT=False, PTX=True)
-        aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in
-                   ("x_ptr", "h_ptr", "s_ptr", "bias_ptr", "out_ptr", "part_ptr", "count_ptr", "N", "K")}
-        kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned),
-                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
-        ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
-        loop = ttgir[ttgir.index("scf.for"):]
-        # wgmma with the weight from registers: its A operand is a {...} register list, not a descriptor
-        assert re.search(r"wgmma.mma_async.sync.aligned.m64n16k16.f32.[bf0-9]+.[bf0-9]+ [{][^}]*[}], [{]", ptx)
-        assert "lop3.b32" in ptx and kernel.asm["cubin"]
-        assert not re.search(r"local_alloc %", loop), "a tensor goes through shared memory inside the K loop"
-        assert "async_copy_global_to_local" in ttgir, "weight and x loads are not pipelined (cp.async)"
+        check_register_operand(fn, sig, consts, r"wgmma.mma_async.sync.aligned.m64n16k16.f32.[bf0-9]+.[bf0-9]+",
+                               "lop3.b32")
 print("compiled")
 """
 

@@ -17,7 +17,7 @@ from quantkit.kernels.w4a8_swap import (
 )
 from test_kernels_w4a8 import TOLERANCE, reference_w4a8
 from test_kernels_w4a16 import compile_for_sm90, poisoned_outputs, random_layer, relative_error  # noqa: F401
-from test_kernels_w4a16_swap import run_ptx
+from test_kernels_w4a16_swap import REGISTER_OPERAND_CHECK, run_ptx
 
 from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
 
@@ -113,30 +113,15 @@ def test_int32_result_is_exact() -> None:
     assert torch.equal(out, (exact.double() * 2.0**-10).half())
 
 
-SWAP_COMPILE = """
-import re
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
+SWAP_COMPILE = REGISTER_OPERAND_CHECK + """
 from quantkit.kernels.w4a8_swap import _w4a8_swap_kernel as fn
 for two_level, split in ((True, 4), (False, 1)):
     sig = {"xq_ptr": "*i8", "ts_ptr": "*fp32", "b_ptr": "*i8", "cs_ptr": "*fp32", "gs_ptr": "*fp16",
            "bias_ptr": "*fp16", "out_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
            "N": "i32", "K": "i32"}
-    sig.update({name: "constexpr" for name in fn.arg_names if name not in sig})
     consts = dict(GROUP=128, TWO_LEVEL=two_level, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
                   SPLIT_K=split, PTX=True)
-    aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in
-               ("xq_ptr", "ts_ptr", "b_ptr", "cs_ptr", "gs_ptr", "bias_ptr", "out_ptr", "part_ptr", "count_ptr",
-                "N", "K")}
-    kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned),
-                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
-    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
-    loop = ttgir[ttgir.index("scf.for"):]
-    # int8 wgmma with the weight from registers: its A operand is a {...} register list, not a descriptor
-    assert re.search(r"wgmma.mma_async.sync.aligned.m64n16k32.s32.s8.s8 [{][^}]*[}], [{]", ptx)
-    assert "0xF0F0F0F0" in ptx and kernel.asm["cubin"]
-    assert not re.search(r"local_alloc %", loop), "a tensor goes through shared memory inside the K loop"
-    assert "async_copy_global_to_local" in ttgir, "weight and x loads are not pipelined (cp.async)"
+    check_register_operand(fn, sig, consts, r"wgmma.mma_async.sync.aligned.m64n16k32.s32.s8.s8", "0xF0F0F0F0")
 print("compiled")
 """
 
