@@ -186,7 +186,8 @@ def compile_for_sm90(script: str) -> None:
     import sys
 
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    # -P: the repo root (cwd) off sys.path, so its kernels/ folder never shadows the PyPI package `kernels`
+    run = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, env=env, timeout=300)
     if run.returncode != 0 and ("ptxas" in run.stderr.lower() and "not found" in run.stderr.lower()):
         pytest.skip("Triton's ptxas is not available here")
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
