@@ -105,6 +105,47 @@ def test_tuning_cache_round_trip_and_defaults(tmp_path, monkeypatch):
     assert pick_config("w4a16", x, 512, 256, 128, "z0", never) == candidates("w4a16", 3, 512, 256, 128)[0]
 
 
+def test_tuner_picks_the_fastest_candidate_timed_cold(tmp_path, monkeypatch):
+    """Each candidate is timed after overwriting twice the L2 (whose own time comes off), a failing one loses,
+    the fastest is cached and reused (GPU timing faked: the logic is what is checked here)."""
+    from types import SimpleNamespace
+
+    import quantkit.kernels.autotune as autotune
+
+    monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("QUANTKIT_AUTOTUNE", "1")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake-gpu")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(L2_cache_size=48))
+    options = candidates("w4a16", 3, 512, 256, 128)
+    cost = {i: 10.0 + i for i in range(len(options))} | {2: 1.0}  # candidate 2 is the fastest
+    ran, flushed = [], []
+
+    def run(cfg: dict) -> None:
+        if options.index(cfg) == 1:
+            raise RuntimeError("out of shared memory")
+        ran.append(options.index(cfg))
+
+    def graph_time(fn) -> float:
+        flush = getattr(fn, "__self__", None)
+        if flush is not None:  # the flush alone: twice the L2
+            flushed.append(flush.numel())
+            return 100.0
+        before = len(ran)
+        fn()
+        return 100.0 + cost[ran[-1]] if len(ran) > before else 0.0
+
+    monkeypatch.setattr(autotune, "_graph_time", graph_time)
+    x = torch.randn(3, 256)
+    assert autotune._cold_times([lambda i=i: run(options[i]) for i in (0, 1, 2)], x.device) == [10.0, float("inf"),
+                                                                                             1.0]
+    assert flushed == [96]
+    assert pick_config("w4a16", x, 512, 256, 128, "z0", run) == options[2]
+    ran.clear()
+    assert pick_config("w4a16", x, 512, 256, 128, "z0", run) == options[2] and ran == []  # from the cache
+
+
 def test_moving_a_layer_rebuilds_or_drops_its_kernel_forward(monkeypatch):
     """model.to(...) reaches QuantLinear._apply: a kernel forward (which holds the old buffers) is dropped,
     and rebuilt when the layer lands on a GPU, or loads a state dict there, unless QUANTKIT_KERNELS=0."""
