@@ -97,6 +97,17 @@ def test_matches_int8_reference(dtype: torch.dtype, group: int) -> None:
         w4a8_swap_matmul(x, packed, channel, layer.scales, None, 64, dict(config, BLOCK_K=128) | _LAUNCH)
 
 
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_one_group_over_all_of_k_folds_its_multiplier_into_the_channel_scale() -> None:
+    layer = random_layer(256, 64, -1, torch.float16, sym=True, act_bits=8, two_level=True, seed=3)
+    layer.scales.copy_(torch.randint(1, 17, layer.scales.shape).half())
+    assert layer.group_size == 256 and layer.scales.shape == (1, 64)
+    x = (3 * torch.randn(4, 256, generator=torch.Generator().manual_seed(4))).half()
+    out = w4a8_swap_matmul(x, repack_for_w4a8_swap(layer.qweight), layer.channel_scales, layer.scales, layer.bias,
+                           256, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2) | _LAUNCH)
+    assert relative_error(out, reference_w4a8(layer, x)) < TOLERANCE[torch.float16]
+
+
 def test_int32_result_is_exact() -> None:
     """Before the float epilogue the kernel's sum is QQQ's int8 dot product exactly: with a unit token scale,
     a power-of-two channel scale and integer activations, the output is the integer reference rounded once."""
