@@ -133,9 +133,17 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
             tiles = ((64, 256, 4), *[t for t in tiles if t != (64, 256, 4)])
         gemv = [_gemv(n, k, bn, bk, warps, kind=kind) for kind in GEMV_KERNELS for bn, bk, warps in tiles]
         out = gemv + out if b == 1 else out + gemv
-    if swap:  # it beat every other tiled kernel from M = 2 to 64 on the H200; gemv_h2 stays the default for
-        swapped = swap_candidates(scheme, m, n, k, group)  # one token (faster on 4 of 6 shapes)
-        out = out[:1] + swapped + out[1:] if b == 1 else swapped + out if b <= 64 else out + swapped
+    if swap and b <= 64:  # it beat every other tiled kernel from M = 1 to 64 on the H200 but one cell (8B o,
+        # M = 64: gemm's first tile); gemv_h2 stays the default for one token (faster on 4 of 6 shapes). The
+        # other tiled kinds keep their first two configs as fallbacks (20-39 candidates become 8-21).
+        swapped = swap_candidates(scheme, m, n, k, group)
+        gemv = [c for c in out if c["kernel"] in GEMV_KERNELS]
+        tiled = [c for c in out if c["kernel"] not in GEMV_KERNELS]
+        firsts = [c for kind in dict.fromkeys(c["kernel"] for c in tiled) for c in
+                  [t for t in tiled if t["kernel"] == kind][:2]]
+        out = gemv[:1] + swapped + gemv[1:] + firsts if b == 1 else swapped + firsts + gemv
+    elif swap:  # W4A8 at M = 128..512
+        out += swap_candidates(scheme, m, n, k, group)
     if b >= 256:
         big = "dequant_mm" if scheme == "w4a16" else "int_mm"
         out.insert(0 if b >= 1024 else len(out), dict(kernel=big))

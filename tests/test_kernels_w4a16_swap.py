@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are decorated at import
 
@@ -170,6 +171,11 @@ def test_swap_configs_lead_the_tuner_from_two_tokens_to_64(scheme: str) -> None:
         first = candidates(scheme, m, 4096, 4096, 128, swap=True)[0]
         assert first["kernel"] == "swap" and first["BLOCK_M"] == max(16, m) and first["BLOCK_K"] == 128
     assert all(c["kernel"] != "swap" for c in candidates(scheme, 16, 4096, 4096, 128))  # no swap layout
+    for m in (1, 16):  # with one, the other tiled kinds keep two fallback configs each; the gemvs all stay
+        kinds = Counter(c["kernel"] for c in candidates(scheme, m, 4096, 4096, 128, swap=True))
+        plain = Counter(c["kernel"] for c in candidates(scheme, m, 4096, 4096, 128))
+        assert all(kinds[k] == min(2, n) for k, n in plain.items() if k not in ("gemv", "gemv_h2"))
+        assert all(kinds[k] == n for k, n in plain.items() if k in ("gemv", "gemv_h2"))
     for m in (256, 1024):  # W4A8 at M = 128..512: 128-token tiles join the timed candidates, not the default
         large = candidates(scheme, m, 4096, 4096, 128, swap=True)
         swapped = {c["BLOCK_M"] for c in large if c["kernel"] == "swap"}
