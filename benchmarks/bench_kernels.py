@@ -503,7 +503,7 @@ def main() -> int:
         log(f"correctness: {failures} failures ({time.time() - t0:.0f}s)")
         (args.out / "tensor_cores.json").write_text(json.dumps(tensor_core_report(), indent=1))
     meta["check_failures"] = failures
-    from quantkit.kernels.autotune import _cache, m_bucket
+    from quantkit.kernels.autotune import _cache, tuning_key
 
     results, layers = [], {}
     for scheme in args.schemes:
@@ -512,9 +512,9 @@ def main() -> int:
                 t0 = time.time()
                 row = dict(scheme=scheme, shape=shape, K=k, N=n, M=m, group=args.group, device=meta["device"],
                            **bench_cell(scheme, k, n, m, args.group, layers))
-                flags = "z0swap" if scheme == "w4a16" else "z0two1swap" if args.group > 0 else "z0two0swap"
-                g = args.group if args.group > 0 else k
-                key = f"{meta['device']}|{scheme}|{DTYPE}|N{n}|K{k}|g{g}|{flags}|M{m_bucket(m)}"
+                two_level = None if scheme == "w4a16" else args.group > 0  # random_layer: symmetric, swap layout
+                key = tuning_key(meta["device"], scheme, DTYPE, n, k, args.group if args.group > 0 else k, m,
+                                 False, two_level, True)
                 row["config"] = json.dumps(_cache().get(key) or "default").replace('"', "")
                 results.append(row)
                 log(f"{scheme} {shape} M={m}: {row['t_kernel_us']:.1f}us vs {row['t_cublas_us']:.1f}us "

@@ -31,25 +31,23 @@ def _register_ops() -> None:
     def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                      bias: torch.Tensor | None, group_size: int, swap_weight: torch.Tensor | None) -> torch.Tensor:
         n, k = qweight.shape[1], x.shape[1]
-        flags = f"z{int(zeros is not None)}" + ("swap" if swap_weight is not None else "")
 
         def run(cfg: dict) -> torch.Tensor:
             return w4a16_run(x, qweight, scales, zeros, bias, group_size, swap_weight, cfg)
 
-        return run(pick_config("w4a16", x, n, k, group_size, flags, run, swap=swap_weight is not None))
+        return run(pick_config("w4a16", x, n, k, group_size, run, zeros is not None, swap=swap_weight is not None))
 
     @torch.library.custom_op("quantkit::w4a8_linear", mutates_args=())
     def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
                     group_scales: torch.Tensor | None, zeros: torch.Tensor | None, bias: torch.Tensor | None,
                     group_size: int, swap_weight: torch.Tensor | None) -> torch.Tensor:
         n, k = qweight.shape[1], x.shape[1]
-        swap = "swap" if swap_weight is not None else ""
-        flags = f"z{int(zeros is not None)}two{int(group_scales is not None)}{swap}"
 
         def run(cfg: dict) -> torch.Tensor:
             return w4a8_run(x, qweight, channel_scales, group_scales, zeros, bias, group_size, swap_weight, cfg)
 
-        return run(pick_config("w4a8", x, n, k, group_size, flags, run, swap=swap_weight is not None))
+        return run(pick_config("w4a8", x, n, k, group_size, run, zeros is not None, group_scales is not None,
+                               swap_weight is not None))
 
     for op in (w4a16_linear, w4a8_linear):
         op.register_fake(lambda x, qweight, *args: x.new_empty(x.shape[0], qweight.shape[1]))

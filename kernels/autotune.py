@@ -225,14 +225,22 @@ def _cold_times(calls: list[Callable[[], object]], device: torch.device) -> list
     return times
 
 
-def pick_config(scheme: str, x: torch.Tensor, n: int, k: int, group: int, flags: str,
-                run: Callable[[dict], object], swap: bool = False) -> dict:
+def tuning_key(device_name: str, scheme: str, dtype: torch.dtype, n: int, k: int, group: int, m: int,
+               zeros: bool, two_level: bool | None, swap: bool) -> str:
+    """The cache key of a tuned config: device, problem, M bucket and the layer traits configs depend on
+    (two_level: None for W4A16)."""
+    traits = f"z{int(zeros)}" + ("" if two_level is None else f"two{int(two_level)}") + ("swap" if swap else "")
+    return f"{device_name}|{scheme}|{dtype}|N{n}|K{k}|g{group}|{traits}|M{m_bucket(m)}"
+
+
+def pick_config(scheme: str, x: torch.Tensor, n: int, k: int, group: int, run: Callable[[dict], object],
+                zeros: bool = False, two_level: bool | None = None, swap: bool = False) -> dict:
     """The config for this call: cached, else tuned (timing run(config) for each candidate), else default."""
     m = x.shape[0]
     options = candidates(scheme, m, n, k, group, swap)
     if not (x.is_cuda and tuning_enabled()):
         return options[0]
-    key = f"{torch.cuda.get_device_name(x.device)}|{scheme}|{x.dtype}|N{n}|K{k}|g{group}|{flags}|M{m_bucket(m)}"
+    key = tuning_key(torch.cuda.get_device_name(x.device), scheme, x.dtype, n, k, group, m, zeros, two_level, swap)
     cached = _cache().get(key)
     if cached is not None:
         return cached
