@@ -33,10 +33,13 @@ def layout_codes(packed: torch.Tensor) -> torch.Tensor:
     return codes
 
 
-def qqq_layer(k: int, n: int, group: int, dtype: torch.dtype, seed: int) -> QuantLinear:
-    """Symmetric W4A8 layer as quantkit's QQQ writes it: two-level group scales are integers 1..16."""
-    layer = random_layer(k, n, group, dtype, sym=True, act_bits=8, two_level=group != -1, seed=seed)
-    if group != -1:
+def qqq_layer(k: int, n: int, group: int, dtype: torch.dtype, seed: int = 0,
+              two_level: bool | None = None) -> QuantLinear:
+    """Symmetric W4A8 layer as quantkit's QQQ writes it: two-level (default: with groups) group scales are
+    integers 1..16."""
+    two_level = group != -1 if two_level is None else two_level
+    layer = random_layer(k, n, group, dtype, sym=True, act_bits=8, two_level=two_level, seed=seed)
+    if two_level:
         gen = torch.Generator().manual_seed(seed)
         layer.scales.copy_(torch.randint(1, 17, layer.scales.shape, generator=gen).to(dtype))
     return layer
@@ -99,8 +102,7 @@ def test_matches_int8_reference(dtype: torch.dtype, group: int) -> None:
 
 @pytest.mark.usefixtures("poisoned_outputs")
 def test_one_group_over_all_of_k_folds_its_multiplier_into_the_channel_scale() -> None:
-    layer = random_layer(256, 64, -1, torch.float16, sym=True, act_bits=8, two_level=True, seed=3)
-    layer.scales.copy_(torch.randint(1, 17, layer.scales.shape).half())
+    layer = qqq_layer(256, 64, -1, torch.float16, seed=3, two_level=True)
     assert layer.group_size == 256 and layer.scales.shape == (1, 64)
     x = (3 * torch.randn(4, 256, generator=torch.Generator().manual_seed(4))).half()
     out = w4a8_swap_matmul(x, repack_for_w4a8_swap(layer.qweight), layer.channel_scales, layer.scales, layer.bias,

@@ -12,6 +12,7 @@ import pytest
 import torch
 from quantkit.kernels import make_kernel_forward
 from quantkit.kernels.autotune import TuningCache, candidates, pick_config
+from test_kernels_w4a8_swap import qqq_layer
 from test_kernels_w4a16 import random_layer, relative_error
 
 from quantkit.nn.qlinear import QuantLinear
@@ -45,10 +46,7 @@ def test_symmetric_layers_run_the_swap_kernel_through_quantlinear(monkeypatch, a
     repack = swap16.repack_for_swap if act_bits == 16 else swap8.repack_for_w4a8_swap
 
     def layer_in(dtype: torch.dtype) -> QuantLinear:
-        layer = random_layer(256, 128, group, dtype, sym=True, act_bits=act_bits, two_level=two_level)
-        if two_level:
-            layer.scales.copy_(torch.randint(1, 17, layer.scales.shape).to(dtype))
-        return layer
+        return random_layer(256, 128, group, dtype, sym=True) if act_bits == 16 else qqq_layer(256, 128, group, dtype)
 
     layer = layer_in(torch.float16)
     assert torch.equal(swap_weight_for(layer, True), repack(layer.qweight))
@@ -102,7 +100,7 @@ def test_tuning_cache_round_trip_and_defaults(tmp_path, monkeypatch):
     def never(cfg):
         raise AssertionError("tuning ran")
 
-    assert pick_config("w4a16", x, 512, 256, 128, "z0", never) == candidates("w4a16", 3, 512, 256, 128)[0]
+    assert pick_config("w4a16", x, 512, 256, 128, never) == candidates("w4a16", 3, 512, 256, 128)[0]
 
 
 def test_tuner_picks_the_fastest_candidate_timed_cold(tmp_path, monkeypatch):
@@ -141,9 +139,9 @@ def test_tuner_picks_the_fastest_candidate_timed_cold(tmp_path, monkeypatch):
     assert autotune._cold_times([lambda i=i: run(options[i]) for i in (0, 1, 2)], x.device) == [10.0, float("inf"),
                                                                                              1.0]
     assert flushed == [96]
-    assert pick_config("w4a16", x, 512, 256, 128, "z0", run) == options[2]
+    assert pick_config("w4a16", x, 512, 256, 128, run) == options[2]
     ran.clear()
-    assert pick_config("w4a16", x, 512, 256, 128, "z0", run) == options[2] and ran == []  # from the cache
+    assert pick_config("w4a16", x, 512, 256, 128, run) == options[2] and ran == []  # from the cache
 
 
 def test_moving_a_layer_rebuilds_or_drops_its_kernel_forward(monkeypatch):
