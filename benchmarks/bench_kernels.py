@@ -120,23 +120,26 @@ def check_correctness(log, schemes: list[str]) -> int:
 
 def check_swap(log, schemes: list[str]) -> int:
     """The swap kernels vs float64 with NaN-poisoned outputs: every candidate config for fp16 g128, the first
-    three for fp16 g64 / per-channel and bf16 g128."""
+    three for fp16 g64 / per-channel, bf16 g128 and (W4A16) asymmetric fp16 g128 / bf16 per-channel."""
     from quantkit.kernels.autotune import candidates
 
     failures = 0
     for scheme in schemes:
-        for group, dtype in ((128, torch.float16), (64, torch.float16), (-1, torch.float16), (128, torch.bfloat16)):
-            layer = random_layer(1024, 768, group, scheme, dtype, bias=True)
+        cases = [(128, torch.float16, True), (64, torch.float16, True), (-1, torch.float16, True),
+                 (128, torch.bfloat16, True)] + [(128, torch.float16, False), (-1, torch.bfloat16, False)] * (
+                     scheme == "w4a16")  # W4A16 takes zero points
+        for group, dtype, sym in cases:
+            layer = random_layer(1024, 768, group, scheme, dtype, sym, bias=True)
             tol = 2e-3 if dtype == torch.float16 else 1.2e-2
             for m in (1, 5, 64, 300):
                 x = torch.randn(m, 1024, device="cuda", dtype=dtype)
                 ref = reference(layer, x)
                 configs = [c for c in candidates(scheme, m, 768, 1024, layer.group_size, swap=True)
                            if c["kernel"] == "swap"]
-                for cfg in configs if (group, dtype) == (128, torch.float16) else configs[:3]:
+                for cfg in configs if (group, dtype, sym) == (128, torch.float16, True) else configs[:3]:
                     failures += _failed(log, _checked_err(layer, x, cfg, ref, log), tol,
-                                        f"swap {scheme} g{group} {dtype} m={m} {cfg}")
-            log(f"checked swap {scheme} g{group} {dtype}")
+                                        f"swap {scheme} g{group} {dtype} sym={sym} m={m} {cfg}")
+            log(f"checked swap {scheme} g{group} {dtype} sym={sym}")
     return failures
 
 

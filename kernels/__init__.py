@@ -61,7 +61,7 @@ def w4a16_run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     from .w4a16_swap import w4a16_swap_matmul
 
     if cfg["kernel"] == "swap":
-        return w4a16_swap_matmul(x, swap_weight, scales, bias, group_size, cfg)
+        return w4a16_swap_matmul(x, swap_weight, scales, zeros, bias, group_size, cfg)
     return w4a16_matmul(x, qweight, scales, zeros, bias, group_size, cfg)
 
 
@@ -87,7 +87,7 @@ def swap_weight_for(layer: torch.nn.Module, symmetric: bool) -> torch.Tensor | N
     if os.environ.get("QUANTKIT_SWAP_KERNEL", "1") == "0":
         return None
     if layer.act_bits == 16:
-        return repack_for_swap(layer.qweight) if swap_supported(k, n, group, symmetric) else None
+        return repack_for_swap(layer.qweight) if swap_supported(k, n, group) else None
     group_scales = layer.scales if layer.channel_scales is not None else None
     if not w4a8_swap_supported(k, n, group, symmetric, group_scales):
         return None

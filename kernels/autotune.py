@@ -98,7 +98,7 @@ def swap_candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dic
 
 def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = False) -> list[dict]:
     """Configs worth timing for this problem, the heuristic default first. scheme: 'w4a16' or 'w4a8'.
-    swap: the layer has a swap kernel's weight layout (w4a16_swap / w4a8_swap: symmetric weights): its
+    swap: the layer has a swap kernel's weight layout (w4a16_swap; w4a8_swap for symmetric weights): its
     configs lead from M = 2 to 64 (and join W4A8's timed candidates at M = 128..512)."""
     b = m_bucket(m)
     out: list[dict] = []

@@ -14,8 +14,10 @@ from QuantLinear's K-packed int32 (`repack_for_swap`): int16 [N, K/4], element (
 the input k = 64 (t // 16) + 16 j + t % 16. A K tile of the weight is then a contiguous [BLOCK_N, BLOCK_K/4]
 load, nibble slice j of it (shift, mask, OR into the fp16 1024 / bf16 128 mantissa, bitcast, subtract the
 zero) is the weight for the contiguous x columns 16 j + [0, 16) of each 64-input chunk, and all of that is
-elementwise. Symmetric weights only (zero 8: a per-group zero would need a broadcast); groups of 64 or more
-(each K tile inside one group: its fp32 dot result is scaled once) or per channel (scaled once at the end).
+elementwise. The slices are q - 8; a zero point z (asymmetric layers) would be a broadcast inside that chain,
+which stops the hoist, so it is applied to the dot result instead: sum x (q - z) = sum x (q - 8) + (8 - z)
+sum x, with each K tile's x sum taken from the x slices already loaded. Groups of 64 or more (each K tile
+inside one group: its fp32 dot result is corrected and scaled once) or per channel (at the end).
 Split-K as in w4a16.py (fused, deterministic).
 """
 
@@ -125,10 +127,10 @@ def _swap_program(M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
-                       GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr, PTX: tl.constexpr):
+def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                       GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr, PTX: tl.constexpr):
     pid, pid_k, offs_m, offs_n = _swap_program(M, BLOCK_M, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_K // 4)
     h_ptrs = h_ptr + offs_n[:, None] * (K // 4) + offs_t[None, :]
@@ -136,35 +138,46 @@ def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_p
     m_mask = offs_m[None, :] < M
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # per channel with zero points: sum of x over this split
     for kt in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0 = kt * BLOCK_K
         h = tl.load(h_ptrs + k0 // 4)
         tile = acc if PER_CHANNEL else tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        tile_x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for j in tl.static_range(4):
             w = _slice(h, j, dtype, PTX)
             xt = tl.load(x_ptrs + k0 + 16 * j, mask=m_mask, other=0.0)
+            if HAS_ZEROS:
+                tile_x_sum += tl.sum(xt.to(tl.float32), axis=0)
             if UPCAST_DOT:
                 tile = tl.dot(w.to(tl.float32), xt.to(tl.float32), tile, input_precision="ieee")
             else:
                 tile = tl.dot(w, xt, tile)
         if PER_CHANNEL:
             acc = tile
+            x_sum += tile_x_sum
         else:
+            if HAS_ZEROS:  # sum x (q - z) = sum x (q - 8) + (8 - z) sum x: the zero stays out of the operand
+                z = tl.load(z_ptr + (k0 // GROUP) * N + offs_n).to(tl.float32)
+                tile += (8.0 - z)[:, None] * tile_x_sum[None, :]
             acc += tile * tl.load(s_ptr + (k0 // GROUP) * N + offs_n).to(tl.float32)[:, None]
     if PER_CHANNEL:
+        if HAS_ZEROS:
+            acc += (8.0 - tl.load(z_ptr + offs_n).to(tl.float32))[:, None] * x_sum[None, :]
         acc *= tl.load(s_ptr + offs_n).to(tl.float32)[:, None]
     _store_output(tl.trans(acc), out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid,
                   SPLIT_K, SPLIT_K > 1, HAS_BIAS)
 
 
-def swap_supported(k: int, n: int, group_size: int, symmetric: bool) -> bool:
+def swap_supported(k: int, n: int, group_size: int) -> bool:
     """Whether `w4a16_swap_matmul` takes this layer (with tiles of 64: BLOCK_K, BLOCK_N dividing group, N)."""
-    return symmetric and k % CHUNK == 0 and n % 64 == 0 and (group_size == k or group_size % CHUNK == 0)
+    return k % CHUNK == 0 and n % 64 == 0 and (group_size == k or group_size % CHUNK == 0)
 
 
-def w4a16_swap_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                      group_size: int, config: dict) -> torch.Tensor:
-    """x [M, K] contiguous (scales' dtype), packed = repack_for_swap(qweight) -> [M, N]; symmetric weights."""
+def w4a16_swap_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      bias: torch.Tensor | None, group_size: int, config: dict) -> torch.Tensor:
+    """x [M, K] contiguous (scales' dtype), packed = repack_for_swap(qweight), zeros [G, N] (uint8) or None
+    (symmetric: 8) -> [M, N]."""
     m, k = x.shape
     n = packed.shape[0]
     split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
@@ -175,9 +188,9 @@ def w4a16_swap_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part, counters = split_buffers(split, m, n, math.prod(grid[:-1]), x.device) if split > 1 else (out, out)
     _w4a16_swap_kernel[grid](
-        x, packed, scales, bias if bias is not None else scales, out, part, counters, m, n, k,
-        GROUP=group_size, PER_CHANNEL=group_size == k, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+        x, packed, scales, zeros if zeros is not None else packed, bias if bias is not None else scales, out, part,
+        counters, m, n, k, GROUP=group_size, PER_CHANNEL=group_size == k, HAS_ZEROS=zeros is not None,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
         UPCAST_DOT=x.dtype == torch.bfloat16 and _interpreting(),  # the interpreter's bf16 is wrong (3.9)
         PTX=not _interpreting(),
         num_warps=config["num_warps"], num_stages=config["num_stages"])

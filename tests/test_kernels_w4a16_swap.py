@@ -34,9 +34,8 @@ def test_repack_follows_the_layout_definition() -> None:
 
 
 def test_supported_shapes() -> None:
-    assert swap_supported(4096, 6144, 128, True) and swap_supported(4096, 4096, 4096, True)
-    assert not swap_supported(4096, 4096, 128, False)  # zero points: a broadcast, no register operand
-    assert not swap_supported(4096, 4096, 32, True) and not swap_supported(4096, 4100, 128, True)
+    assert swap_supported(4096, 6144, 128) and swap_supported(4096, 4096, 4096)
+    assert not swap_supported(4096, 4096, 32) and not swap_supported(4096, 4100, 128)
 
 
 _LAUNCH = dict(kernel="swap", num_warps=4, num_stages=2)
@@ -44,22 +43,23 @@ _LAUNCH = dict(kernel="swap", num_warps=4, num_stages=2)
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [64, 128, -1])
+@pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.usefixtures("poisoned_outputs")
-def test_matches_float64(dtype: torch.dtype, group: int) -> None:
-    layer = random_layer(256, 128, group, dtype, sym=True, seed=group + 3)
+def test_matches_float64(dtype: torch.dtype, group: int, sym: bool) -> None:
+    layer = random_layer(256, 128, group, dtype, sym=sym, seed=group + 3)
     packed = repack_for_swap(layer.qweight)
+    zeros = None if sym else layer.zeros
     for m, config in [(1, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1)),
                       (19, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2)),  # two M blocks, split K
                       (5, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, SPLIT_K=4))]:
         if group != -1:  # a K tile never spans two groups
             config = {**config, "BLOCK_K": min(config["BLOCK_K"], group)}
         x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype)
-        out = w4a16_swap_matmul(x, packed, layer.scales, layer.bias, layer.group_size,
-                                config | _LAUNCH)
+        out = w4a16_swap_matmul(x, packed, layer.scales, zeros, layer.bias, layer.group_size, config | _LAUNCH)
         assert out.shape == (m, 128) and out.dtype == dtype and not out.isnan().any(), config
         assert relative_error(out, reference_w4a16(layer, x)) < TOLERANCE[dtype], config
     with pytest.raises(ValueError, match="K tile"):
-        w4a16_swap_matmul(x, packed, layer.scales, None, 64, dict(config, BLOCK_K=128) | _LAUNCH)
+        w4a16_swap_matmul(x, packed, layer.scales, zeros, None, 64, dict(config, BLOCK_K=128) | _LAUNCH)
 
 
 def halves(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -144,11 +144,11 @@ def check_register_operand(fn, sig, consts, wgmma, marker):
 SWAP_COMPILE = REGISTER_OPERAND_CHECK + """
 from quantkit.kernels.w4a16_swap import _w4a16_swap_kernel as fn
 for dtype in ("fp16", "bf16"):
-    for per_channel, split in ((False, 4), (True, 1)):
-        sig = {"x_ptr": "*" + dtype, "h_ptr": "*i16", "s_ptr": "*" + dtype, "bias_ptr": "*" + dtype,
+    for per_channel, split, zeros in ((False, 4, False), (True, 1, False), (False, 4, True), (True, 1, True)):
+        sig = {"x_ptr": "*" + dtype, "h_ptr": "*i16", "s_ptr": "*" + dtype, "z_ptr": "*u8", "bias_ptr": "*" + dtype,
                "out_ptr": "*" + dtype, "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32"}
-        consts = dict(GROUP=128, PER_CHANNEL=per_channel, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
-                      SPLIT_K=split, UPCAST_DOT=False, PTX=True)
+        consts = dict(GROUP=128, PER_CHANNEL=per_channel, HAS_ZEROS=zeros, HAS_BIAS=True, BLOCK_M=16,
+                      BLOCK_N=128, BLOCK_K=128, SPLIT_K=split, UPCAST_DOT=False, PTX=True)
         check_register_operand(fn, sig, consts, r"wgmma.mma_async.sync.aligned.m64n16k16.f32.[bf0-9]+.[bf0-9]+",
                                "lop3.b32")
 print("compiled")

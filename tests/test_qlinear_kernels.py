@@ -33,10 +33,11 @@ def test_kernel_forward_matches_reference_forward(act_bits, group, two_level, dt
     assert relative_error(out, layer.reference_forward(x).double()) < 2e-2
 
 
-@pytest.mark.parametrize(("act_bits", "group"), [(16, 64), (8, 64), (8, -1)])
-def test_symmetric_layers_run_the_swap_kernel_through_quantlinear(monkeypatch, act_bits, group):
-    """From 2 to 64 tokens the swap kernel is the default; its weight copy exists for symmetric layers (W4A8:
-    per channel, or two-level with integer group scales, as quantkit's QQQ writes them)."""
+@pytest.mark.parametrize(("act_bits", "group", "sym"), [(16, 64, True), (16, 64, False), (16, -1, False),
+                                                       (8, 64, True), (8, -1, True)])
+def test_layers_run_the_swap_kernel_through_quantlinear(monkeypatch, act_bits, group, sym):
+    """From 2 to 64 tokens the swap kernel is the default; its weight copy exists for every W4A16 layer and for
+    symmetric W4A8 ones (per channel, or two-level with integer group scales, as quantkit's QQQ writes them)."""
     import quantkit.kernels.w4a8_swap as swap8
     import quantkit.kernels.w4a16_swap as swap16
     from quantkit.kernels import swap_weight_for
@@ -46,12 +47,15 @@ def test_symmetric_layers_run_the_swap_kernel_through_quantlinear(monkeypatch, a
     repack = swap16.repack_for_swap if act_bits == 16 else swap8.repack_for_w4a8_swap
 
     def layer_in(dtype: torch.dtype) -> QuantLinear:
-        return random_layer(256, 128, group, dtype, sym=True) if act_bits == 16 else qqq_layer(256, 128, group, dtype)
+        if act_bits == 16:
+            return random_layer(256, 128, group, dtype, sym=sym)
+        return qqq_layer(256, 128, group, dtype)
 
     layer = layer_in(torch.float16)
-    assert torch.equal(swap_weight_for(layer, True), repack(layer.qweight))
-    assert swap_weight_for(layer, False) is None  # zero points
-    assert swap_weight_for(layer_in(torch.bfloat16), True) is not None
+    assert torch.equal(swap_weight_for(layer, sym), repack(layer.qweight))
+    if act_bits == 8:
+        assert swap_weight_for(layer, False) is None  # W4A8 zero points: the other kernels
+    assert swap_weight_for(layer_in(torch.bfloat16), sym) is not None
     configs, real = [], getattr(mod, name)
     monkeypatch.setattr(mod, name, lambda *args: configs.append(args[-1]) or real(*args))
     forward = make_kernel_forward(layer)
@@ -62,7 +66,7 @@ def test_symmetric_layers_run_the_swap_kernel_through_quantlinear(monkeypatch, a
         layer.scales.add_(0.5)
         assert swap_weight_for(layer, True) is None
     monkeypatch.setenv("QUANTKIT_SWAP_KERNEL", "0")
-    assert swap_weight_for(layer, True) is None
+    assert swap_weight_for(layer, sym) is None
 
 
 @pytest.mark.parametrize(("kwargs", "reason"), [
