@@ -200,7 +200,7 @@ def copies_for(bytes_per_call: int) -> int:
     return max(1, min(16, math.ceil(3 * L2_BYTES / bytes_per_call)))
 
 
-def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict) -> dict:
+def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict, sym: bool = True) -> dict:
     fp16_bytes = 2 * (k * n + m * k + m * n)
     q_bytes = k * n // 2 + 2 * n * (k // (group if group > 0 else k)) + 2 * (m * k + m * n)
     base_calls, quant_calls = [], []
@@ -210,10 +210,10 @@ def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict) ->
         base_calls.append(lambda w=w, x=x: F.linear(x, w))
     t_base = graph_time(base_calls)
     del base_calls
-    key = (scheme, k, n, group)
+    key = (scheme, k, n, group, sym)
     if key not in layers:
         layers.clear()
-        layers[key] = [random_layer(k, n, group, scheme) for _ in range(copies_for(q_bytes))]
+        layers[key] = [random_layer(k, n, group, scheme, sym=sym) for _ in range(copies_for(q_bytes))]
     for layer in layers[key]:
         forward = make_kernel_forward(layer)
         x = torch.randn(m, k, device="cuda", dtype=DTYPE)
@@ -284,7 +284,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
 
 GEMV_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 3), (128, 128, 4, 3),
               (128, 256, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (256, 64, 4, 3), (256, 128, 4, 3),
-              (256, 64, 8, 3), (256, 128, 8, 3)]  # (BLOCK_N, BLOCK_K, warps, stages)
+              (256, 64, 8, 3), (256, 128, 8, 3), (64, 512, 4, 3), (64, 512, 8, 3),
+              (128, 512, 8, 3)]  # (BLOCK_N, BLOCK_K, warps, stages)
 SMALL_MS = (1, 4, 16, 64, 256)
 
 
@@ -383,7 +384,7 @@ def check_odd_shapes(log) -> int:
 
 
 def sweep_small_m(log, out: Path, budget_s: float, schemes: list[str], ms: tuple[int, ...] = SMALL_MS,
-                  kinds: list[str] | None = None) -> int:
+                  kinds: list[str] | None = None, sym: bool = True) -> int:
     """Correctness (float64, NaN-poisoned outputs) and timing, for M in SMALL_MS on every benchmark shape
     (g128 sym fp16; W4A8 two-level), of every tiled candidate (gemm, gemm_sliced, dequant_mm / int_mm) and,
     within the budget, every W4A16 gemv config, next to cuBLAS; the best of each kernel kind per cell."""
@@ -393,7 +394,8 @@ def sweep_small_m(log, out: Path, budget_s: float, schemes: list[str], ms: tuple
     for scheme in schemes:
         for m in ms:
             for shape, (k, n) in SHAPES.items():
-                failures += _sweep_cell(log, scheme, shape, k, n, m, t_start, budget_s, rows, seen, candidates, kinds)
+                failures += _sweep_cell(log, scheme, shape, k, n, m, t_start, budget_s, rows, seen, candidates, kinds,
+                                        sym)
                 (out / "sweep_small_m.json").write_text(json.dumps(rows, indent=1))
                 (out / "sweep_small_m.md").write_text(sweep_markdown(rows))  # so far: a cut-off run keeps it
     log(f"correctness failures: {failures}")
@@ -420,7 +422,7 @@ def sweep_markdown(rows: list[dict]) -> str:
 
 
 def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: float, budget_s: float,
-                rows: list, seen: dict, candidates, kinds: list[str] | None = None) -> int:
+                rows: list, seen: dict, candidates, kinds: list[str] | None = None, sym: bool = True) -> int:
     q_bytes = k * n // 2 + 2 * n * (k // 128) + 2 * (m * k + m * n)
     fp16_bytes = 2 * (k * n + m * k + m * n)
     base_calls = []
@@ -429,13 +431,14 @@ def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: f
         base_calls.append(lambda w=w, x=x: F.linear(x, w))
     t_base = graph_time(base_calls)
     del base_calls, w
-    layers = [random_layer(k, n, 128, scheme) for _ in range(copies_for(q_bytes))]
+    layers = [random_layer(k, n, 128, scheme, sym=sym) for _ in range(copies_for(q_bytes))]
     xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
     runners = [config_runner(la) for la in layers]
     ref = reference(layers[0], xs[0])
     tiled = [c for c in candidates(scheme, m, n, k, 128, swap=True) if c["kernel"] not in GEMV_KERNELS
              and (kinds is None or c["kernel"] in kinds)]
-    gemvs = [c for kind in GEMV_KERNELS for c in gemv_sweep_configs(m, n, k, 128, kind)]
+    gemvs = [c for kind in GEMV_KERNELS if kinds is None or kind in kinds
+             for c in gemv_sweep_configs(m, n, k, 128, kind)]
     configs = tiled + (gemvs if m <= 4 else [])
     failures = 0
     for cfg in configs:
@@ -474,6 +477,7 @@ def main() -> int:
     parser.add_argument("--kernels", nargs="+", default=None, help="sweep: time only these tiled kernel kinds")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="grid: these")
     parser.add_argument("--check-swap", action="store_true", help="check the swap kernels' configs first")
+    parser.add_argument("--asym", action="store_true", help="grid and sweep: layers with zero points")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     logfile = open(args.out / "log.txt", "a")
@@ -498,7 +502,7 @@ def main() -> int:
     log(f"swap check: {swap_failures} failures")
     if args.sweep_small_m:
         return int(sweep_small_m(log, args.out, args.budget_s, args.schemes, tuple(args.ms or SMALL_MS),
-                                 args.kernels) + swap_failures > 0)
+                                 args.kernels, not args.asym) + swap_failures > 0)
     failures = swap_failures + check_compile_and_graphs(log, args.schemes)
     if args.check:
         t0 = time.time()
@@ -514,10 +518,11 @@ def main() -> int:
             for m in args.ms or MS:
                 t0 = time.time()
                 row = dict(scheme=scheme, shape=shape, K=k, N=n, M=m, group=args.group, device=meta["device"],
-                           **bench_cell(scheme, k, n, m, args.group, layers))
-                two_level = None if scheme == "w4a16" else args.group > 0  # random_layer: symmetric, swap layout
+                           **bench_cell(scheme, k, n, m, args.group, layers, not args.asym))
+                two_level = None if scheme == "w4a16" else args.group > 0
+                swap = scheme == "w4a16" or not args.asym  # which layers random_layer gives a swap layout
                 key = tuning_key(meta["device"], scheme, DTYPE, n, k, args.group if args.group > 0 else k, m,
-                                 False, two_level, True)
+                                 args.asym, two_level, swap)
                 row["config"] = json.dumps(_cache().get(key) or "default").replace('"', "")
                 results.append(row)
                 log(f"{scheme} {shape} M={m}: {row['t_kernel_us']:.1f}us vs {row['t_cublas_us']:.1f}us "

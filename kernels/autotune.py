@@ -69,11 +69,15 @@ def _fits(cfg: dict, k: int, group: int) -> bool:
 # W4A8 (sweep_w4a8_swap_2026-12-03.md): BLOCK_K 256 never won; at M = 128..512 a 128-token tile (wgmma N 128)
 # beat int8 cuBLAS on 4 of 6 shapes at M = 256, lost at M >= 1024; BLOCK_M 256 always lost (0.1-0.5x), as
 # did every W4A16 swap tile from M = 256 on (sweep_w4a16_swap_large_m_2026-12-03.md).
+# Two warps and 16 tokens: Triton emits mma.sync (no wgmma, whose register operand it makes synchronous); on the
+# H200 these won 8 of 18 M = 1 / 16 cells by up to 19% (70B down) and lost the rest by <= 13%
+# (sweep_swap_mma_sync_2026-12-03.md); narrower mma.sync tiles and 64-token ones lost everywhere.
+MMA_SYNC_TILES = ((16, 128, 128, 2, 4), (16, 64, 128, 2, 3))
 SWAP_TILES = {  # (BM, BN, BK, warps, stages)
     "w4a16": ((16, 128, 128, 4, 4), (16, 64, 128, 4, 4), (32, 128, 128, 4, 4), (32, 128, 128, 8, 3),
-              (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (64, 256, 128, 8, 3)),
+              (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (64, 256, 128, 8, 3)) + MMA_SYNC_TILES,
     "w4a8": ((16, 128, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 128, 4, 4), (32, 128, 128, 4, 4),
-             (32, 64, 128, 4, 4), (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3)),
+             (32, 64, 128, 4, 4), (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3)) + MMA_SYNC_TILES,
 }
 
 
@@ -126,12 +130,15 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
             if cfg["SPLIT_K"] > 1:  # the heuristic split and one half as deep
                 out.append({**cfg, "SPLIT_K": cfg["SPLIT_K"] // 2})
     if b <= 4:  # FMA gemv, one program per x row: the default for a single token
-        # half2 first, then the fp32 one; the H200 sweeps' best tiles first (W4A8: BK 256 in every shape,
-        # benchmarks/kernels/sweep_small_m_2026-12-03.md)
-        tiles = ((64, 128, 4), (64, 64, 4), (64, 256, 4), (128, 256, 4), (128, 128, 8))
-        if scheme == "w4a8":
-            tiles = ((64, 256, 4), *[t for t in tiles if t != (64, 256, 4)])
-        gemv = [_gemv(n, k, bn, bk, warps, kind=kind) for kind in GEMV_KERNELS for bn, bk, warps in tiles]
+        # half2 first, then the fp32 one; the H200 sweeps' best tiles first: BK 256 and 512 (W4A8: every
+        # shape, sweep_small_m_2026-12-03.md; W4A16 with register prefetch: sweep_gemv_prefetch_2026-12-03.md),
+        # the first at the heuristic split and at half of it
+        tiles = ((64, 256, 4), (64, 512, 4), (64, 128, 4), (64, 64, 4), (128, 256, 4), (128, 128, 8))
+        gemv = []
+        for kind in GEMV_KERNELS:
+            gemv += [_gemv(n, k, bn, bk, warps, kind=kind) for bn, bk, warps in tiles]
+            if gemv[-len(tiles)]["SPLIT_K"] > 1:
+                gemv.append({**gemv[-len(tiles)], "SPLIT_K": gemv[-len(tiles)]["SPLIT_K"] // 2})
         out = gemv + out if b == 1 else out + gemv
     if swap and b <= 64:  # it beat every other tiled kernel from M = 1 to 64 on the H200 but one cell (8B o,
         # M = 64: gemm's first tile); gemv_h2 stays the default for one token (faster on 4 of 6 shapes). The

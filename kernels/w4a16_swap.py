@@ -138,32 +138,34 @@ def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
     m_mask = offs_m[None, :] < M
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # per channel with zero points: sum of x over this split
+    # zero points: x summed elementwise over the slices (a reduction per slice cost more than the dots), reduced
+    # once per K tile (groups) or once at the end (per channel)
+    x_run = tl.zeros((BLOCK_K // 4, BLOCK_M), dtype=tl.float32)
     for kt in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0 = kt * BLOCK_K
         h = tl.load(h_ptrs + k0 // 4)
         tile = acc if PER_CHANNEL else tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        tile_x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if not PER_CHANNEL:
+            x_run = tl.zeros((BLOCK_K // 4, BLOCK_M), dtype=tl.float32)
         for j in tl.static_range(4):
             w = _slice(h, j, dtype, PTX)
             xt = tl.load(x_ptrs + k0 + 16 * j, mask=m_mask, other=0.0)
             if HAS_ZEROS:
-                tile_x_sum += tl.sum(xt.to(tl.float32), axis=0)
+                x_run += xt.to(tl.float32)
             if UPCAST_DOT:
                 tile = tl.dot(w.to(tl.float32), xt.to(tl.float32), tile, input_precision="ieee")
             else:
                 tile = tl.dot(w, xt, tile)
         if PER_CHANNEL:
             acc = tile
-            x_sum += tile_x_sum
         else:
             if HAS_ZEROS:  # sum x (q - z) = sum x (q - 8) + (8 - z) sum x: the zero stays out of the operand
                 z = tl.load(z_ptr + (k0 // GROUP) * N + offs_n).to(tl.float32)
-                tile += (8.0 - z)[:, None] * tile_x_sum[None, :]
+                tile += (8.0 - z)[:, None] * tl.sum(x_run, axis=0)[None, :]
             acc += tile * tl.load(s_ptr + (k0 // GROUP) * N + offs_n).to(tl.float32)[:, None]
     if PER_CHANNEL:
         if HAS_ZEROS:
-            acc += (8.0 - tl.load(z_ptr + offs_n).to(tl.float32))[:, None] * x_sum[None, :]
+            acc += (8.0 - tl.load(z_ptr + offs_n).to(tl.float32))[:, None] * tl.sum(x_run, axis=0)[None, :]
         acc *= tl.load(s_ptr + offs_n).to(tl.float32)[:, None]
     _store_output(tl.trans(acc), out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid,
                   SPLIT_K, SPLIT_K > 1, HAS_BIAS)

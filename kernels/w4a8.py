@@ -33,6 +33,7 @@ from .w4a16 import (
     MAGIC_F32,
     _fp16_bits,
     _gemv_program,
+    _gemv_weights,
     _group_rows,
     _half2_word_dots,
     _interpreting,
@@ -176,13 +177,18 @@ def _w4a8_gemv_kernel(xq_ptr, ts_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, o
     m, pid_k, tile, offs_n, n_mask, rows = _gemv_program(N, BLOCK_N, BLOCK_K)
     ROWS: tl.constexpr = BLOCK_K // 8
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    if not TWO_LEVEL:  # per channel: one zero point for all of K, scale in the epilogue
-        s, z = _group_rows(cs_ptr, z_ptr, 0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS, True)
+    last = K // BLOCK_K - 1
+    # per channel (GROUP = K): one zero point for all of K, scale in the epilogue; two-level: the group scales
+    # per tile. Register prefetch of the next K tile's weights and scales, as in w4a16's gemv.
+    words, s, z = _gemv_weights(qw_ptr, gs_ptr if TWO_LEVEL else cs_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, n_mask,
+                                rows, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
-        k0 = t * BLOCK_K
-        words = tl.load(qw_ptr + (k0 // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+        k0, k_next = t * BLOCK_K, tl.minimum(t + SPLIT_K, last) * BLOCK_K  # the last tile re-reads itself
+        words_next = tl.load(qw_ptr + (k_next // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :],
+                             other=0)
         if TWO_LEVEL:
-            s, z = _group_rows(gs_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS, True)
+            s_next, z_next = _group_rows(gs_ptr, z_ptr, k_next, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS,
+                                         True)
         x_offs = m * K + k0 + 8 * rows
         if HALF2:
             acc += _half2_word_dots(_fp16_pair(xq_ptr, x_offs, 0), _fp16_pair(xq_ptr, x_offs, 1),
@@ -195,6 +201,9 @@ def _w4a8_gemv_kernel(xq_ptr, ts_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, o
                 if TWO_LEVEL:
                     w = (w * s + ROUND_F32) - ROUND_F32
                 acc += w * x[:, None]
+        words = words_next
+        if TWO_LEVEL:
+            s, z = s_next, z_next
     out = tl.sum(acc, axis=0) * tl.load(ts_ptr + m) * tl.load(cs_ptr + offs_n, mask=n_mask, other=0.0)
     _store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
                   tile, SPLIT_K, IS_SPLIT, HAS_BIAS)

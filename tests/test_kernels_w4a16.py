@@ -114,10 +114,13 @@ def test_split_k_counters_reset_and_repeat_bit_exactly(config):
 
 def test_gemv_default_split_fills_the_gpu_and_keeps_two_k_tiles():
     for k, n in ((4096, 4096), (14336, 4096), (4096, 28672), (8192, 57344)):
-        for cfg in [c for c in candidates("w4a16", 1, n, k, 128) if c["kernel"] in ("gemv", "gemv_h2")]:
+        gemvs = [c for c in candidates("w4a16", 1, n, k, 128) if c["kernel"] in ("gemv", "gemv_h2")]
+        for cfg in gemvs:
+            if {**cfg, "SPLIT_K": 2 * cfg["SPLIT_K"]} in gemvs:  # the extra half-depth split of a tile
+                continue
             k_tiles, programs = k // cfg["BLOCK_K"], -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
             assert cfg["SPLIT_K"] == 1 or k_tiles >= 2 * cfg["SPLIT_K"]
-            assert programs >= 4 * 132 or cfg["SPLIT_K"] == min(16, k_tiles // 2)
+            assert programs >= 4 * 132 or 2 * cfg["SPLIT_K"] > min(16, k_tiles // 2)  # as deep as it may go
 
 
 def test_dequantize_is_the_reference_weight():

@@ -125,17 +125,19 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
 
-def check_register_operand(fn, sig, consts, wgmma, marker):
-    \"\"\"Compiles fn for sm_90 (pointers, N and K 16-aligned, as the launches see them) and checks that wgmma
-    takes A from registers (a {...} register list, not a descriptor), that nothing but the pipelined cp.async
-    copies goes through shared memory inside the K loop, and that `marker` (the slice PTX) assembled.\"\"\"
+def check_register_operand(fn, sig, consts, mma, marker, warps=4):
+    \"\"\"Compiles fn for sm_90 (pointers, N and K 16-aligned, as the launches see them) and checks that the mma
+    (wgmma, or mma.sync for 2-warp tiles) takes A from registers (a {...} register list, not a descriptor), that
+    nothing but the pipelined cp.async copies goes through shared memory inside the K loop, and that `marker`
+    (the slice PTX) assembled.\"\"\"
     aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a != "M"}
     sig = {**sig, **{name: "constexpr" for name in fn.arg_names if name not in sig}}
     kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned),
-                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 4})
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
     loop = ttgir[ttgir.index("scf.for"):]
-    assert re.search(wgmma + r" [{][^}]*[}], [{]", ptx), "no register-operand wgmma"
+    assert re.search(mma + r" [{][^}]*[}], [{]", ptx), "no register-operand mma"
+    assert warps % 4 == 0 or "wgmma" not in ptx
     assert marker in ptx and kernel.asm["cubin"]
     assert not re.search(r"local_alloc %", loop), "a tensor goes through shared memory inside the K loop"
     assert "async_copy_global_to_local" in ttgir, "weight and x loads are not pipelined (cp.async)"
@@ -151,6 +153,9 @@ for dtype in ("fp16", "bf16"):
                       BLOCK_N=128, BLOCK_K=128, SPLIT_K=split, UPCAST_DOT=False, PTX=True)
         check_register_operand(fn, sig, consts, r"wgmma.mma_async.sync.aligned.m64n16k16.f32.[bf0-9]+.[bf0-9]+",
                                "lop3.b32")
+        # the tuner's 2-warp tiles: mma.sync (no warpgroup-wide wait), the same register path
+        check_register_operand(fn, sig, consts, r"mma.sync.aligned.m16n8k16.row.col.f32.[bf0-9]+.[bf0-9]+.f32",
+                               "lop3.b32", warps=2)
 print("compiled")
 """
 
