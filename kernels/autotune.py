@@ -136,9 +136,10 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
         tiles = ((64, 256, 4), (64, 512, 4), (64, 128, 4), (64, 64, 4), (128, 256, 4), (128, 128, 8))
         gemv = []
         for kind in GEMV_KERNELS:
-            gemv += [_gemv(n, k, bn, bk, warps, kind=kind) for bn, bk, warps in tiles]
-            if gemv[-len(tiles)]["SPLIT_K"] > 1:
-                gemv.append({**gemv[-len(tiles)], "SPLIT_K": gemv[-len(tiles)]["SPLIT_K"] // 2})
+            configs = [_gemv(n, k, bn, bk, warps, kind=kind) for bn, bk, warps in tiles]
+            if configs[0]["SPLIT_K"] > 1:
+                configs.append({**configs[0], "SPLIT_K": configs[0]["SPLIT_K"] // 2})
+            gemv += configs
         out = gemv + out if b == 1 else out + gemv
     if swap and b <= 64:  # it beat every other tiled kernel from M = 1 to 64 on the H200 but one cell (8B o,
         # M = 64: gemm's first tile); gemv_h2 stays the default for one token (faster on 4 of 6 shapes). The
