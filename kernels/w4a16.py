@@ -313,9 +313,14 @@ def _gemv_program(N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 def _gemv_weights(qw_ptr, s_ptr, z_ptr, k0, N, offs_n, n_mask, rows, ROWS: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr):
     """A gemv K tile's packed words and their scales and zero points, each [ROWS, BLOCK_N]."""
-    words = tl.load(qw_ptr + (k0 // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
     s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS, True)
-    return words, s, z
+    return _gemv_words(qw_ptr, k0, N, offs_n, n_mask, rows), s, z
+
+
+@triton.jit
+def _gemv_words(qw_ptr, k0, N, offs_n, n_mask, rows):
+    """A gemv K tile's packed words [ROWS, BLOCK_N] (coalesced along N)."""
+    return tl.load(qw_ptr + (k0 // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])  # one compile serves every M and split

@@ -34,6 +34,7 @@ from .w4a16 import (
     _fp16_bits,
     _gemv_program,
     _gemv_weights,
+    _gemv_words,
     _group_rows,
     _half2_word_dots,
     _interpreting,
@@ -184,8 +185,7 @@ def _w4a8_gemv_kernel(xq_ptr, ts_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, o
                                 rows, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0, k_next = t * BLOCK_K, tl.minimum(t + SPLIT_K, last) * BLOCK_K  # the last tile re-reads itself
-        words_next = tl.load(qw_ptr + (k_next // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :],
-                             other=0)
+        words_next = _gemv_words(qw_ptr, k_next, N, offs_n, n_mask, rows)  # per channel: s, z stay
         if TWO_LEVEL:
             s_next, z_next = _group_rows(gs_ptr, z_ptr, k_next, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS,
                                          True)
