@@ -131,11 +131,11 @@ def check_swap(log, schemes: list[str]) -> int:
         for group, dtype, sym in cases:
             layer = random_layer(1024, 768, group, scheme, dtype, sym, bias=True)
             tol = 2e-3 if dtype == torch.float16 else 1.2e-2
-            for m in (1, 5, 64, 300):
+            for m in (1, 3, 5, 64, 300):
                 x = torch.randn(m, 1024, device="cuda", dtype=dtype)
                 ref = reference(layer, x)
                 configs = [c for c in candidates(scheme, m, 768, 1024, layer.group_size, swap=True)
-                           if c["kernel"] == "swap"]
+                           if c["kernel"].startswith("swap")]
                 for cfg in configs if (group, dtype, sym) == (128, torch.float16, True) else configs[:3]:
                     failures += _failed(log, _checked_err(layer, x, cfg, ref, log), tol,
                                         f"swap {scheme} g{group} {dtype} sym={sym} m={m} {cfg}")
@@ -289,16 +289,23 @@ GEMV_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 3),
 SMALL_MS = (1, 4, 16, 64, 256)
 
 
+# the swap-layout gemv: rows of its weight run along K, so narrow BLOCK_N tiles stay coalesced
+SWAP_GEMV_SWEEP = [(bn, bk, 4 if bn <= 32 else 8, 3) for bn in (16, 32, 64, 128) for bk in (128, 256, 512)] + [
+    (64, 256, 4, 3), (64, 512, 4, 3)]
+
+
 def gemv_sweep_configs(m: int, n: int, k: int, group: int, kind: str = "gemv") -> list[dict]:
     """Every gemv tile with every power-of-two split that leaves each split at least two K tiles."""
     from quantkit.kernels.autotune import _fits
+    from quantkit.kernels.w4a16_swap import swap_gemv_fits
 
     out = []
-    for bn, bk, warps, stages in GEMV_TILES:
+    for bn, bk, warps, stages in SWAP_GEMV_SWEEP if kind == "swap_gemv" else GEMV_TILES:
         for split in (1, 2, 4, 8, 16):
             cfg = dict(kernel=kind, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
                        num_stages=stages)
-            if (split == 1 or k // bk >= 2 * split) and _fits(cfg, k, group):
+            fits = swap_gemv_fits(k, n, group, bn, bk) if kind == "swap_gemv" else _fits(cfg, k, group)
+            if (split == 1 or k // bk >= 2 * split) and fits:
                 out.append(cfg)
     return out
 
@@ -435,14 +442,15 @@ def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: f
     xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
     runners = [config_runner(la) for la in layers]
     ref = reference(layers[0], xs[0])
-    tiled = [c for c in candidates(scheme, m, n, k, 128, swap=True) if c["kernel"] not in GEMV_KERNELS
+    gemv_kinds = ("swap_gemv",) * (scheme == "w4a16") + GEMV_KERNELS  # the new one first, within the budget
+    tiled = [c for c in candidates(scheme, m, n, k, 128, swap=True) if c["kernel"] not in gemv_kinds
              and (kinds is None or c["kernel"] in kinds)]
-    gemvs = [c for kind in GEMV_KERNELS if kinds is None or kind in kinds
+    gemvs = [c for kind in gemv_kinds if kinds is None or kind in kinds
              for c in gemv_sweep_configs(m, n, k, 128, kind)]
     configs = tiled + (gemvs if m <= 4 else [])
     failures = 0
     for cfg in configs:
-        if time.time() - t_start > budget_s and cfg["kernel"] in GEMV_KERNELS:
+        if time.time() - t_start > budget_s and cfg["kernel"] in gemv_kinds:
             break
         compiles_before = len(_gemv_compiles(scheme))
         err = _checked_err(layers[0], xs[0], cfg, ref, log)

@@ -81,6 +81,18 @@ SWAP_TILES = {  # (BM, BN, BK, warps, stages)
 }
 
 
+# The W4A16 gemv on the swap layout (w4a16_swap.py): (BLOCK_N, BLOCK_K, warps), first = default.
+SWAP_GEMV_TILES = ((32, 512, 4), (64, 256, 4), (16, 512, 4), (32, 256, 4), (64, 512, 8), (128, 256, 8))
+
+
+def swap_gemv_candidates(n: int, k: int, group: int) -> list[dict]:
+    """The swap-layout gemv's configs that fit the layer, each at its heuristic split."""
+    from .w4a16_swap import swap_gemv_fits
+
+    return [_gemv(n, k, bn, bk, warps, kind="swap_gemv") for bn, bk, warps in SWAP_GEMV_TILES
+            if swap_gemv_fits(k, n, group, bn, bk)]
+
+
 def swap_candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
     """The swap kernels' configs (their BLOCK_M is wgmma's N: the M bucket up to 64, at least 16; 128 for
     W4A8 at M = 128..512)."""
@@ -149,13 +161,17 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
         tiled = [c for c in out if c["kernel"] not in GEMV_KERNELS]
         firsts = [c for kind in dict.fromkeys(c["kernel"] for c in tiled) for c in
                   [t for t in tiled if t["kernel"] == kind][:2]]
-        out = gemv[:1] + swapped + gemv[1:] + firsts if b == 1 else swapped + firsts + gemv
+        swap_gemv = swap_gemv_candidates(n, k, group) if scheme == "w4a16" and b <= 4 else []
+        out = (gemv[:1] + swap_gemv + swapped + gemv[1:] + firsts if b == 1 else
+               swapped + swap_gemv + firsts + gemv)
     elif swap:  # W4A8 at M = 128..512
         out += swap_candidates(scheme, m, n, k, group)
     if b >= 256:
         big = "dequant_mm" if scheme == "w4a16" else "int_mm"
         out.insert(0 if b >= 1024 else len(out), dict(kernel=big))
-    return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm") or _fits(c, k, group)]
+        if swap and scheme == "w4a16":
+            out.insert(1 if b >= 1024 else len(out), dict(kernel="swap_dequant_mm"))
+    return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm", "swap_dequant_mm") or _fits(c, k, group)]
 
 
 class TuningCache:

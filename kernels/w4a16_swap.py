@@ -31,7 +31,7 @@ import triton.language as tl
 
 from quantkit.nn.qlinear import unpack_along_rows
 
-from .w4a16 import _interpreting, _store_output, split_buffers
+from .w4a16 import _fp16x2, _interpreting, _store_output, split_buffers
 
 CHUNK = 64  # inputs per 16 int16 of a weight row: 4 nibble slices of 16 contiguous inputs each
 _CHUNK = tl.constexpr(CHUNK)
@@ -197,3 +197,191 @@ def w4a16_swap_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
         PTX=not _interpreting(),
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The same layout for one to four tokens (gemv, CUDA cores) and for many (dequantize once, then cuBLAS), so a layer
+# that has it needs no other copy of its weight on the GPU.
+#
+# Read as int32, word (n, u) of a weight row holds two int16 neighbours t = 2u, 2u + 1: nibble j of its low / high
+# half is input 64 c + 16 j + 2 i + b (c = u // 8, i = u % 8, b = 0 / 1). Marlin's lop3 turns nibbles j of both
+# halves into an fp16x2 pair at once, and that pair meets x's own aligned fp16x2 (64 c + 16 j + 2 i, + 1): no
+# shuffle of x at all (the K-packed gemv_h2 builds its x pairs with prmt and a multiply per row).
+
+def _fp16_pair(value: float) -> str:
+    bits = int(torch.tensor(value, dtype=torch.float16).view(torch.int16)) & 0xFFFF
+    return f"0x{bits:04X}{bits:04X}"
+
+
+def _gemv_word_dot_ptx(zeros: bool) -> str:
+    """sum_j w_j x_j over the 8 nibbles of word $1, fp32 in $0: x pairs of slices 0..3 in $2..$5. lop3 ORs
+    nibbles j into the fp16 mantissa of 1024 (even j, 1024 + q) or at 16 q (odd j, 1024 + 16 q, no shift needed);
+    one fma per pair turns that into w = (q - z) / 64 exactly (16 + q / 64 - (16 + z / 64), 1 + q / 64 - (1 + z / 64);
+    all exact in fp16), which keeps each half's sum of 4 products within |x|max * 60 / 64 (no fp16 overflow) without
+    touching x. Zero points: the pairs -(16 + z / 64) in $6, -(1 + z / 64) in $7; else z = 8 as constants."""
+    consts = f"mov.b32 se, {_fp16_pair(2.0**-6)};\nmov.b32 so, {_fp16_pair(2.0**-10)};\n"
+    if zeros:
+        consts += "mov.b32 fe, $6;\nmov.b32 fo, $7;\n"
+    else:  # half2 operands are registers, never immediates
+        consts += f"mov.b32 fe, {_fp16_pair(-(1024 + 8) / 64)};\nmov.b32 fo, {_fp16_pair(-(64 + 8) / 64)};\n"
+    body = ""
+    for j in range(4):
+        src = "$1" if j < 2 else "v"
+        mask, scale, fix = ("0x000F000F", "se", "fe") if j % 2 == 0 else ("0x00F000F0", "so", "fo")
+        body += (f"lop3.b32 t, {src}, {mask}, 0x64006400, 0xEA;\nfma.rn.f16x2 t, t, {scale}, {fix};\n"
+                 + (f"mul.rn.f16x2 a, t, ${2 + j};\n" if j == 0 else f"fma.rn.f16x2 a, t, ${2 + j}, a;\n"))
+        if j == 1:
+            body += "shr.b32 v, $1, 8;\n"
+    return ("{\n.reg .b32 t, v, a, se, so, fe, fo;\n.reg .b16 lo, hi;\n.reg .f32 fl, fh;\n" + consts + body
+            + "mov.b32 {lo, hi}, a;\ncvt.f32.f16 fl, lo;\ncvt.f32.f16 fh, hi;\nadd.f32 $0, fl, fh;\n}")
+
+
+_WORD_DOT = tl.constexpr(_gemv_word_dot_ptx(False))
+_WORD_DOT_ZEROS = tl.constexpr(_gemv_word_dot_ptx(True))
+
+
+@triton.jit
+def _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k0, N, offs_n, u, run_first, GROUP: tl.constexpr,
+                     PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr, PTX: tl.constexpr):
+    """One K tile's words [BN, GT, GW], group scales and zero points [BN, GT, 1] (fp32; per channel: unused
+    here) and, for the PTX path, x's four fp16x2 slices [1, GT, GW] (fp16 pairs as int32)."""
+    words = tl.load(w_ptrs + k0 // 8)
+    if PER_CHANNEL:
+        idx = offs_n[:, None, None]
+        s = tl.zeros((1, 1, 1), tl.float32)
+    else:
+        idx = ((k0 + run_first) // GROUP)[None, :, None] * N + offs_n[:, None, None]  # a run is in one group
+        s = tl.load(s_ptr + idx).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + idx).to(tl.float32)
+    else:
+        z = tl.full((1, 1, 1), 8.0, tl.float32)
+    if PTX:
+        word = k0 // 8 + u  # x's fp16x2 of slice j for word u: 32 c + 8 j + i
+        xo = (32 * (word // 8) + word % 8)[None, :, :]
+        x0, x1, x2, x3 = (tl.load(x32_ptr + xo), tl.load(x32_ptr + xo + 8), tl.load(x32_ptr + xo + 16),
+                          tl.load(x32_ptr + xo + 24))
+    else:
+        x0 = tl.zeros((1, 1, 1), tl.int32)  # unused: the fp32 path loads x itself
+        x1, x2, x3 = x0, x0, x0
+    return words, s, z, x0, x1, x2, x3
+
+
+@triton.jit
+def _swap_gemv_dots(words, z, x0, x1, x2, x3, x_ptr, k0, u, HAS_ZEROS: tl.constexpr, PTX: tl.constexpr):
+    """[BN, GT, GW] fp32: each word's sum over its 8 weights of (q - z) * x (PTX: divided by 64)."""
+    if PTX:
+        if HAS_ZEROS:
+            dot = tl.inline_asm_elementwise(
+                _WORD_DOT_ZEROS, "=r,r,r,r,r,r,r,r", [words, x0, x1, x2, x3, _fp16x2(-(16.0 + z / 64.0)),
+                                                      _fp16x2(-(1.0 + z / 64.0))], dtype=tl.float32,
+                is_pure=True, pack=1)
+        else:
+            dot = tl.inline_asm_elementwise(_WORD_DOT, "=r,r,r,r,r,r", [words, x0, x1, x2, x3], dtype=tl.float32,
+                                            is_pure=True, pack=1)
+    else:
+        word = k0 // 8 + u
+        first = (64 * (word // 8) + 2 * (word % 8))[None, :, :]  # input of nibble 0, low half (64-input chunks)
+        dot = tl.zeros(words.shape, tl.float32)
+        for j in tl.static_range(4):
+            for b in tl.static_range(2):
+                q = ((words >> (16 * b + 4 * j)) & 0xF).to(tl.float32)
+                dot += (q - z) * tl.load(x_ptr + first + 16 * j + b).to(tl.float32)
+    return dot
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])  # one compile serves every M and split
+def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                            GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP_WORDS: tl.constexpr, IS_SPLIT: tl.constexpr, PTX: tl.constexpr):
+    # Program (x row m, BLOCK_N weight rows, every SPLIT_K-th K tile). Its words are [BN, GT, GW]: GT runs of
+    # GW words (GROUP_WORDS) that share a group scale, which so stays a [BN, GT, 1] broadcast (no per-word load).
+    m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    GT: tl.constexpr = BLOCK_K // 8 // GROUP_WORDS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    run_first = 8 * GROUP_WORDS * tl.arange(0, GT)  # [GT]: each run's first input in the tile
+    u = tl.arange(0, GT)[:, None] * GROUP_WORDS + tl.arange(0, GROUP_WORDS)[None, :]  # [GT, GW] word of the tile
+    w_ptrs = h_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + offs_n[:, None, None] * (K // 8) + u[None, :, :]
+    x32_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + m * (K // 2)
+    x_row = x_ptr + m * K
+    last = K // BLOCK_K - 1
+    acc = tl.zeros((BLOCK_N, GT, GROUP_WORDS), dtype=tl.float32)
+    # register prefetch, as the K-packed gemv: the next tile's loads go out before this tile's arithmetic
+    words, s, z, x0, x1, x2, x3 = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, u,
+                                                   run_first, GROUP, PER_CHANNEL, HAS_ZEROS, PTX)
+    for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+        k0, k_next = t * BLOCK_K, tl.minimum(t + SPLIT_K, last) * BLOCK_K  # the last tile re-reads itself
+        nxt = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k_next, N, offs_n, u, run_first, GROUP, PER_CHANNEL,
+                               HAS_ZEROS, PTX)
+        dots = _swap_gemv_dots(words, z, x0, x1, x2, x3, x_row, k0, u, HAS_ZEROS, PTX)
+        acc += dots if PER_CHANNEL else dots * s
+        words, s, z, x0, x1, x2, x3 = nxt
+    out = tl.sum(tl.sum(acc, axis=2), axis=1) * (64.0 if PTX else 1.0)
+    if PER_CHANNEL:
+        out *= tl.load(s_ptr + offs_n).to(tl.float32)
+    _store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
+                  m * tl.num_programs(1) + pid_n, SPLIT_K, IS_SPLIT, HAS_BIAS)
+
+
+def swap_gemv_fits(k: int, n: int, group_size: int, block_n: int, block_k: int) -> bool:
+    """Whether a swap gemv tile divides this layer: whole 64-input chunks, and a K tile holding whole groups or
+    lying inside one."""
+    grouped = group_size != k
+    return (n % block_n == 0 and k % block_k == 0 and block_k % CHUNK == 0
+            and not (grouped and group_size % block_k and block_k % group_size))
+
+
+def w4a16_swap_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    bias: torch.Tensor | None, group_size: int, config: dict) -> torch.Tensor:
+    """x [M, K] (M small: one program row per token) on the swap layout -> [M, N]. fp16 on CUDA runs the
+    half2 PTX word dots; bf16 and Triton's interpreter the same loop in fp32."""
+    m, k = x.shape
+    n = packed.shape[0]
+    split, block_n, block_k = config["SPLIT_K"], config["BLOCK_N"], config["BLOCK_K"]
+    if not swap_gemv_fits(k, n, group_size, block_n, block_k):
+        raise ValueError(f"swap gemv: tile {block_n} x {block_k} does not fit N {n}, K {k}, group {group_size}")
+    ptx = x.dtype == torch.float16 and not _interpreting()
+    if ptx and x.data_ptr() % 4:  # x is read as fp16 pairs
+        x = x.clone()
+    grid = (m, n // block_n, split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part, counters = split_buffers(split, m, n, m * (n // block_n), x.device) if split > 1 else (out, out)
+    _w4a16_swap_gemv_kernel[grid](
+        x, packed, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out, part,
+        counters, m, n, k, GROUP=group_size, PER_CHANNEL=group_size == k, HAS_ZEROS=zeros is not None,
+        HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_WORDS=min(group_size, block_k) // 8, IS_SPLIT=split > 1, PTX=ptx, num_warps=config["num_warps"],
+        num_stages=config["num_stages"])
+    return out
+
+
+@triton.jit
+def _swap_dequant_kernel(h_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight rows [BLOCK_N, BLOCK_K] of W [N, K] in w's dtype from the swap layout: (q - z) * s rounded once."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.arange(0, BLOCK_K // 4)
+    h = tl.load(h_ptr + offs_n[:, None] * (K // 4) + pid_k * (BLOCK_K // 4) + t[None, :]).to(tl.int32)
+    first = pid_k * BLOCK_K + (t // 16) * _CHUNK + t % 16  # input of nibble 0
+    idx = (first // GROUP)[None, :] * N + offs_n[:, None]
+    s = tl.load(s_ptr + idx).to(tl.float32)
+    z = tl.full((1, 1), 8.0, tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + idx).to(tl.float32)
+    for j in tl.static_range(4):
+        w = (((h >> (4 * j)) & 0xF).to(tl.float32) - z) * s
+        tl.store(w_ptr + offs_n[:, None] * K + (first + 16 * j)[None, :], w.to(w_ptr.dtype.element_ty))
+
+
+def swap_dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    group_size: int) -> torch.Tensor:
+    """The weight [N, K] in the scales' dtype from the swap layout (the large-M path: then cuBLAS)."""
+    n, k = packed.shape[0], packed.shape[1] * 4
+    block_n, block_k = 32, 256 if k % 256 == 0 else CHUNK
+    w = torch.empty(n, k, dtype=scales.dtype, device=packed.device)
+    _swap_dequant_kernel[(n // block_n, k // block_k)](
+        packed, scales, zeros if zeros is not None else scales, w, n, k, GROUP=group_size,
+        HAS_ZEROS=zeros is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return w

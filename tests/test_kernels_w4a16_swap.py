@@ -9,7 +9,14 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are d
 
 import pytest
 import torch
-from quantkit.kernels.w4a16_swap import repack_for_swap, swap_layout_codes, swap_supported, w4a16_swap_matmul
+from quantkit.kernels.w4a16_swap import (
+    repack_for_swap,
+    swap_dequantize,
+    swap_layout_codes,
+    swap_supported,
+    w4a16_swap_gemv,
+    w4a16_swap_matmul,
+)
 from test_kernels_w4a16 import (  # noqa: F401  (poisoned_outputs: a fixture)
     TOLERANCE,
     compile_for_sm90,
@@ -68,11 +75,12 @@ def halves(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(pair >= 2**15, pair - 2**16, pair).to(torch.int16).view(dtype).double()
 
 
-def run_ptx(asm: str, words: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """Executes one of the kernels' slice PTX blocks on every int32 of `words` and returns $0's 32 bits: a tiny
-    interpreter of the instructions the blocks use (half2 arithmetic on `dtype` is exact here, as the
-    kernels' is)."""
-    regs = {"$1": words.to(torch.int64) & 0xFFFFFFFF}
+def run_ptx(asm: str, words: torch.Tensor, dtype: torch.dtype = torch.float16,
+            inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Executes one of the kernels' PTX blocks on every int32 of `words` ($1; more input registers in `inputs`)
+    and returns $0: its 32 bits, or its value for an f32 result. A tiny interpreter of the instructions the
+    blocks use: half2 arithmetic on `dtype` computed exactly in float64 and rounded once, as the GPU's is."""
+    regs = {"$1": words.to(torch.int64) & 0xFFFFFFFF, **(inputs or {})}
 
     def bits(x: torch.Tensor) -> torch.Tensor:
         h = x.to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
@@ -86,8 +94,16 @@ def run_ptx(asm: str, words: torch.Tensor, dtype: torch.dtype = torch.float16) -
         if not parts or parts[0].startswith((".reg", "{", "}")):
             continue
         op, dst, *src = parts
+        if op == "mov.b32" and dst.startswith("{"):  # mov.b32 {lo, hi}, a: split into 16-bit halves
+            whole = value(src[1])
+            regs[dst[1:]], regs[src[0][:-1]] = whole & 0xFFFF, whole >> 16
+            continue
         a = [value(s) for s in src]
-        if op == "mov.b32":
+        if op == "cvt.f32.f16":
+            regs[dst] = halves(a[0], dtype)[..., 0].float()
+        elif op == "add.f32":
+            regs[dst] = a[0] + a[1]
+        elif op == "mov.b32":
             regs[dst] = a[0]
         elif op == "shr.b32":
             regs[dst] = a[0] >> a[1]
@@ -98,9 +114,10 @@ def run_ptx(asm: str, words: torch.Tensor, dtype: torch.dtype = torch.float16) -
         elif op == "lop3.b32":
             assert src[3] == "0xEA"  # (a & b) | c
             regs[dst] = (a[0] & a[1]) | a[2]
-        elif op in ("sub.f16x2", "fma.rn.f16x2", "fma.rn.bf16x2"):
+        elif op in ("sub.f16x2", "mul.rn.f16x2", "fma.rn.f16x2", "fma.rn.bf16x2"):
             h = [halves(v, dtype) for v in a]
-            regs[dst] = bits(h[0] - h[1] if op.startswith("sub") else h[0] * h[1] + h[2])
+            regs[dst] = bits(h[0] - h[1] if op.startswith("sub") else h[0] * h[1] if op.startswith("mul") else
+                             h[0] * h[1] + h[2])
         else:
             raise AssertionError(f"unknown instruction {line!r}")
     return regs["$0"]
@@ -187,3 +204,103 @@ def test_swap_configs_lead_the_tuner_from_two_tokens_to_64(scheme: str) -> None:
         assert large[0]["kernel"] != "swap" and swapped == ({128} if (scheme, m) == ("w4a8", 256) else set())
     swapped = [c for c in candidates(scheme, 16, 4160, 4096, 64, swap=True) if c["kernel"] == "swap"]
     assert swapped and all(c["BLOCK_K"] == 64 and 4160 % c["BLOCK_N"] == 0 for c in swapped)  # g64: K tile 64
+
+
+_GEMV = dict(kernel="swap_gemv", BLOCK_M=1, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [64, 128, -1])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_swap_gemv_matches_float64(dtype: torch.dtype, group: int, sym: bool) -> None:
+    """The gemv on the swap layout (its fp32 loop: the interpreter runs no PTX) for one and several tokens,
+    K tiles holding several groups, one group, or inside one, split K."""
+    layer = random_layer(512, 128, group, dtype, sym=sym, seed=group + 11)
+    packed = repack_for_swap(layer.qweight)
+    zeros = None if sym else layer.zeros
+    for m, config in [(1, dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=1)), (3, dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2)),
+                      (2, dict(BLOCK_N=128, BLOCK_K=64, SPLIT_K=4))]:
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(dtype)
+        out = w4a16_swap_gemv(x, packed, layer.scales, zeros, layer.bias, layer.group_size, config | _GEMV)
+        assert out.shape == (m, 128) and out.dtype == dtype and not out.isnan().any(), config
+        assert relative_error(out, reference_w4a16(layer, x)) < TOLERANCE[dtype], config
+    with pytest.raises(ValueError, match="does not fit"):
+        w4a16_swap_gemv(x, packed, layer.scales, zeros, None, layer.group_size, dict(config, BLOCK_K=96) | _GEMV)
+
+
+def _fp16_pairs(values: torch.Tensor) -> torch.Tensor:
+    """[..., 2] fp16 values -> int64 holding them as one fp16x2 (element 0 in the low half)."""
+    h = values.half().view(torch.int16).to(torch.int64) & 0xFFFF
+    return h[..., 0] | (h[..., 1] << 16)
+
+
+@pytest.mark.parametrize("x_scale", [1.0, 6e4])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_swap_gemv_word_dot_ptx(x_scale: float, zeros: bool) -> None:
+    """The gemv's PTX word dot, executed instruction by instruction: every weight becomes (q - z) / 64 exactly,
+    each lane sums its 4 products with one fp16 rounding per step, the lanes meet in fp32; that stays within
+    fp16 rounding of the exact dot / 64 and finite for activations up to the top of the fp16 range."""
+    from quantkit.kernels.w4a16_swap import _gemv_word_dot_ptx
+
+    gen = torch.Generator().manual_seed(7)
+    words = torch.randint(-2**31, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64)
+    x = (torch.randn(4096, 4, 2, generator=gen) * x_scale).clamp(-65504, 65504).half()  # [word, slice j, lane b]
+    z = torch.randint(0, 16, (4096,), generator=gen) if zeros else torch.full((4096,), 8)
+    inputs = {f"${2 + j}": _fp16_pairs(x[:, j]) for j in range(4)}
+    if zeros:
+        inputs["$6"] = _fp16_pairs(torch.stack([-(16 + z / 64)] * 2, dim=-1))
+        inputs["$7"] = _fp16_pairs(torch.stack([-(1 + z / 64)] * 2, dim=-1))
+    got = run_ptx(_gemv_word_dot_ptx(zeros), words, inputs=inputs)
+    codes = torch.stack([torch.stack([(words >> (16 * b + 4 * j)) & 0xF for b in range(2)], -1) for j in range(4)], 1)
+    w = (codes - z[:, None, None]).double() / 64  # [word, j, b]
+    lanes = torch.zeros(4096, 2, dtype=torch.float16)
+    for j in range(4):  # one fused multiply-add per step, rounded once (exact in float64 before it)
+        lanes = (w[:, j] * x[:, j].double() + lanes.double()).half()
+    assert torch.equal(got, lanes[:, 0].float() + lanes[:, 1].float())
+    exact = (w * x.double()).sum(dim=(1, 2))
+    assert got.isfinite().all()
+    assert ((got.double() - exact).abs() <= 2e-3 * (w.abs() * x.double().abs()).sum(dim=(1, 2)) + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [64, 256, -1])
+def test_swap_dequantize_is_the_reference_weight(dtype: torch.dtype, group: int) -> None:
+    layer = random_layer(512, 64, group, dtype, sym=False, seed=5)
+    w = swap_dequantize(repack_for_swap(layer.qweight), layer.scales, layer.zeros, layer.group_size)
+    ref = layer.dequantized_weight()
+    if dtype == torch.float16:  # (q - z) * s rounded once, as the reference
+        assert torch.equal(w, ref)
+    else:  # the interpreter's bf16 rounding is off by up to one unit (Triton 3.9)
+        torch.testing.assert_close(w, ref, rtol=2**-7, atol=0)
+
+
+SWAP_GEMV_COMPILE = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from quantkit.kernels.w4a16_swap import _swap_dequant_kernel, _w4a16_swap_gemv_kernel as fn
+sig = {"x_ptr": "*fp16", "h_ptr": "*i16", "s_ptr": "*fp16", "z_ptr": "*u8", "bias_ptr": "*fp16", "out_ptr": "*fp16",
+       "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32"}
+sig = {**sig, **{name: "constexpr" for name in fn.arg_names if name not in sig}}
+for group, words, zeros, split in ((128, 16, False, True), (128, 16, True, False), (4096, 64, True, True),
+                                   (64, 8, False, True)):
+    consts = dict(GROUP=group, PER_CHANNEL=group == 4096, HAS_ZEROS=zeros, HAS_BIAS=True, BLOCK_N=32,
+                  BLOCK_K=512, GROUP_WORDS=words, IS_SPLIT=split, PTX=True)
+    kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("lop3.b32") >= 4 and "prmt" not in ptx and kernel.asm["cubin"], consts
+    assert ("atom" in ptx) == split, "split-K counter"
+dsig = {"h_ptr": "*i16", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*fp16", "N": "i32", "K": "i32"}
+dsig = {**dsig, **{name: "constexpr" for name in _swap_dequant_kernel.arg_names if name not in dsig}}
+kernel = compile(ASTSource(fn=_swap_dequant_kernel, signature=dsig, constexprs=dict(GROUP=128, HAS_ZEROS=True,
+                 BLOCK_N=32, BLOCK_K=256)), target=GPUTarget("cuda", 90, 32))
+assert kernel.asm["cubin"]
+print("compiled")
+"""
+
+
+def test_swap_gemv_compiles_for_sm90() -> None:
+    """The PTX word dots assemble for sm_90 (every zero / group / split variant; no x shuffles), as does the
+    swap layout's dequantizer."""
+    compile_for_sm90(SWAP_GEMV_COMPILE)
