@@ -290,22 +290,25 @@ SMALL_MS = (1, 4, 16, 64, 256)
 
 
 # the swap-layout gemv: rows of its weight run along K, so narrow BLOCK_N tiles stay coalesced
-SWAP_GEMV_SWEEP = [(bn, bk, 4 if bn <= 32 else 8, 3) for bn in (16, 32, 64, 128) for bk in (128, 256, 512)] + [
-    (64, 256, 4, 3), (64, 512, 4, 3)]
+# (stages 1: register prefetch; more: a cp.async ring of that many K tiles)
+SWAP_GEMV_SWEEP = [(bn, bk, warps, stages) for bn, bk, warps in ((32, 256, 4), (64, 256, 4), (32, 512, 4), (16, 512, 4),
+                                                                (64, 512, 8), (128, 256, 8), (64, 128, 4))
+                   for stages in (1, 2, 3, 4, 6)]
 
 
 def gemv_sweep_configs(m: int, n: int, k: int, group: int, kind: str = "gemv") -> list[dict]:
     """Every gemv tile with every power-of-two split that leaves each split at least two K tiles."""
-    from quantkit.kernels.autotune import _fits
+    from quantkit.kernels.autotune import _fits, _gemv
     from quantkit.kernels.w4a16_swap import swap_gemv_fits
 
     out = []
     for bn, bk, warps, stages in SWAP_GEMV_SWEEP if kind == "swap_gemv" else GEMV_TILES:
-        for split in (1, 2, 4, 8, 16):
+        heuristic = _gemv(n, k, bn, bk, warps)["SPLIT_K"]  # swap_gemv: its stage counts instead of every split
+        for split in (heuristic // 2, heuristic, 2 * heuristic) if kind == "swap_gemv" else (1, 2, 4, 8, 16):
             cfg = dict(kernel=kind, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
                        num_stages=stages)
             fits = swap_gemv_fits(k, n, group, bn, bk) if kind == "swap_gemv" else _fits(cfg, k, group)
-            if (split == 1 or k // bk >= 2 * split) and fits:
+            if split >= 1 and (split == 1 or k // bk >= 2 * split) and fits and cfg not in out:
                 out.append(cfg)
     return out
 

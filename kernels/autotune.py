@@ -81,15 +81,17 @@ SWAP_TILES = {  # (BM, BN, BK, warps, stages)
 }
 
 
-# The W4A16 gemv on the swap layout (w4a16_swap.py): (BLOCK_N, BLOCK_K, warps), first = default.
-SWAP_GEMV_TILES = ((32, 512, 4), (64, 256, 4), (16, 512, 4), (32, 256, 4), (64, 512, 8), (128, 256, 8))
+# The W4A16 gemv on the swap layout (w4a16_swap.py): (BLOCK_N, BLOCK_K, warps, stages: 1 = register prefetch,
+# more = a cp.async ring), first = default.
+SWAP_GEMV_TILES = ((32, 256, 4, 1), (64, 256, 4, 1), (32, 512, 4, 1), (64, 256, 4, 4), (32, 512, 4, 3),
+                   (64, 512, 8, 3))
 
 
 def swap_gemv_candidates(n: int, k: int, group: int) -> list[dict]:
     """The swap-layout gemv's configs that fit the layer, each at its heuristic split."""
     from .w4a16_swap import swap_gemv_fits
 
-    return [_gemv(n, k, bn, bk, warps, kind="swap_gemv") for bn, bk, warps in SWAP_GEMV_TILES
+    return [_gemv(n, k, bn, bk, warps, stages, kind="swap_gemv") for bn, bk, warps, stages in SWAP_GEMV_TILES
             if swap_gemv_fits(k, n, group, bn, bk)]
 
 

@@ -290,11 +290,19 @@ def _swap_gemv_dots(words, z, x0, x1, x2, x3, x_ptr, k0, u, HAS_ZEROS: tl.conste
     return dot
 
 
+@triton.jit
+def _swap_gemv_accumulate(acc, words, s, z, x0, x1, x2, x3, x_row, k0, u, PER_CHANNEL: tl.constexpr,
+                          HAS_ZEROS: tl.constexpr, PTX: tl.constexpr):
+    dots = _swap_gemv_dots(words, z, x0, x1, x2, x3, x_row, k0, u, HAS_ZEROS, PTX)
+    return acc + dots if PER_CHANNEL else acc + dots * s
+
+
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])  # one compile serves every M and split
 def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                             GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
                             HAS_BIAS: tl.constexpr, SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_WORDS: tl.constexpr, IS_SPLIT: tl.constexpr, PTX: tl.constexpr):
+                            GROUP_WORDS: tl.constexpr, IS_SPLIT: tl.constexpr, PTX: tl.constexpr,
+                            STAGES: tl.constexpr):
     # Program (x row m, BLOCK_N weight rows, every SPLIT_K-th K tile). Its words are [BN, GT, GW]: GT runs of
     # GW words (GROUP_WORDS) that share a group scale, which so stays a [BN, GT, 1] broadcast (no per-word load).
     m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -307,16 +315,21 @@ def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     x_row = x_ptr + m * K
     last = K // BLOCK_K - 1
     acc = tl.zeros((BLOCK_N, GT, GROUP_WORDS), dtype=tl.float32)
-    # register prefetch, as the K-packed gemv: the next tile's loads go out before this tile's arithmetic
-    words, s, z, x0, x1, x2, x3 = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, u,
-                                                   run_first, GROUP, PER_CHANNEL, HAS_ZEROS, PTX)
-    for t in range(pid_k, K // BLOCK_K, SPLIT_K):
-        k0, k_next = t * BLOCK_K, tl.minimum(t + SPLIT_K, last) * BLOCK_K  # the last tile re-reads itself
-        nxt = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k_next, N, offs_n, u, run_first, GROUP, PER_CHANNEL,
-                               HAS_ZEROS, PTX)
-        dots = _swap_gemv_dots(words, z, x0, x1, x2, x3, x_row, k0, u, HAS_ZEROS, PTX)
-        acc += dots if PER_CHANNEL else dots * s
-        words, s, z, x0, x1, x2, x3 = nxt
+    if STAGES > 1:  # a cp.async ring of STAGES tiles: Triton pipelines a dot-free loop that tl.range asks to
+        for t in tl.range(pid_k, K // BLOCK_K, SPLIT_K, num_stages=STAGES):
+            k0 = t * BLOCK_K
+            words, s, z, x0, x1, x2, x3 = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k0, N, offs_n, u, run_first,
+                                                           GROUP, PER_CHANNEL, HAS_ZEROS, PTX)
+            acc = _swap_gemv_accumulate(acc, words, s, z, x0, x1, x2, x3, x_row, k0, u, PER_CHANNEL, HAS_ZEROS, PTX)
+    else:  # register prefetch, as the K-packed gemv: the next tile's loads go out before this tile's arithmetic
+        words, s, z, x0, x1, x2, x3 = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, u,
+                                                       run_first, GROUP, PER_CHANNEL, HAS_ZEROS, PTX)
+        for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+            k0, k_next = t * BLOCK_K, tl.minimum(t + SPLIT_K, last) * BLOCK_K  # the last tile re-reads itself
+            nxt = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k_next, N, offs_n, u, run_first, GROUP, PER_CHANNEL,
+                                   HAS_ZEROS, PTX)
+            acc = _swap_gemv_accumulate(acc, words, s, z, x0, x1, x2, x3, x_row, k0, u, PER_CHANNEL, HAS_ZEROS, PTX)
+            words, s, z, x0, x1, x2, x3 = nxt
     out = tl.sum(tl.sum(acc, axis=2), axis=1) * (64.0 if PTX else 1.0)
     if PER_CHANNEL:
         out *= tl.load(s_ptr + offs_n).to(tl.float32)
@@ -351,8 +364,8 @@ def w4a16_swap_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
         x, packed, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out, part,
         counters, m, n, k, GROUP=group_size, PER_CHANNEL=group_size == k, HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_WORDS=min(group_size, block_k) // 8, IS_SPLIT=split > 1, PTX=ptx, num_warps=config["num_warps"],
-        num_stages=config["num_stages"])
+        GROUP_WORDS=min(group_size, block_k) // 8, IS_SPLIT=split > 1, PTX=ptx, STAGES=config["num_stages"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out
 
 

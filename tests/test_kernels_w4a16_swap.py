@@ -220,9 +220,9 @@ def test_swap_gemv_matches_float64(dtype: torch.dtype, group: int, sym: bool) ->
     packed = repack_for_swap(layer.qweight)
     zeros = None if sym else layer.zeros
     for m, config in [(1, dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=1)), (3, dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2)),
-                      (2, dict(BLOCK_N=128, BLOCK_K=64, SPLIT_K=4))]:
+                      (2, dict(BLOCK_N=128, BLOCK_K=64, SPLIT_K=4, num_stages=3))]:  # a cp.async ring
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(dtype)
-        out = w4a16_swap_gemv(x, packed, layer.scales, zeros, layer.bias, layer.group_size, config | _GEMV)
+        out = w4a16_swap_gemv(x, packed, layer.scales, zeros, layer.bias, layer.group_size, _GEMV | config)
         assert out.shape == (m, 128) and out.dtype == dtype and not out.isnan().any(), config
         assert relative_error(out, reference_w4a16(layer, x)) < TOLERANCE[dtype], config
     with pytest.raises(ValueError, match="does not fit"):
@@ -285,12 +285,13 @@ sig = {**sig, **{name: "constexpr" for name in fn.arg_names if name not in sig}}
 for group, words, zeros, split in ((128, 16, False, True), (128, 16, True, False), (4096, 64, True, True),
                                    (64, 8, False, True)):
     consts = dict(GROUP=group, PER_CHANNEL=group == 4096, HAS_ZEROS=zeros, HAS_BIAS=True, BLOCK_N=32,
-                  BLOCK_K=512, GROUP_WORDS=words, IS_SPLIT=split, PTX=True)
+                  BLOCK_K=512, GROUP_WORDS=words, IS_SPLIT=split, PTX=True, STAGES=1 + 2 * split)
     kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                      options={"num_warps": 4})
     ptx = kernel.asm["ptx"]
     assert ptx.count("lop3.b32") >= 4 and "prmt" not in ptx and kernel.asm["cubin"], consts
     assert ("atom" in ptx) == split, "split-K counter"
+    assert ("cp.async" in ptx) == split, "STAGES > 1: the K loop's loads go through a cp.async ring"
 dsig = {"h_ptr": "*i16", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*fp16", "N": "i32", "K": "i32"}
 dsig = {**dsig, **{name: "constexpr" for name in _swap_dequant_kernel.arg_names if name not in dsig}}
 kernel = compile(ASTSource(fn=_swap_dequant_kernel, signature=dsig, constexprs=dict(GROUP=128, HAS_ZEROS=True,
