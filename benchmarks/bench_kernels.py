@@ -290,10 +290,9 @@ SMALL_MS = (1, 4, 16, 64, 256)
 
 
 # the swap-layout gemv: rows of its weight run along K, so narrow BLOCK_N tiles stay coalesced
-# (stages 1: register prefetch; more: a cp.async ring of that many K tiles)
-SWAP_GEMV_SWEEP = [(bn, bk, warps, stages) for bn, bk, warps in ((32, 256, 4), (64, 256, 4), (32, 512, 4), (16, 512, 4),
-                                                                (64, 512, 8), (128, 256, 8), (64, 128, 4))
-                   for stages in (1, 2, 3, 4, 6)]
+# the swap-layout gemv's tiles; its rows run along K, so narrow BLOCK_N tiles stay coalesced
+SWAP_GEMV_SWEEP = [(32, 256, 4, 1), (64, 256, 4, 1), (32, 512, 4, 1), (16, 512, 4, 1), (64, 512, 8, 1),
+                   (128, 256, 8, 1), (64, 128, 4, 1)]
 
 
 def gemv_sweep_configs(m: int, n: int, k: int, group: int, kind: str = "gemv") -> list[dict]:
@@ -303,7 +302,7 @@ def gemv_sweep_configs(m: int, n: int, k: int, group: int, kind: str = "gemv") -
 
     out = []
     for bn, bk, warps, stages in SWAP_GEMV_SWEEP if kind == "swap_gemv" else GEMV_TILES:
-        heuristic = _gemv(n, k, bn, bk, warps)["SPLIT_K"]  # swap_gemv: its stage counts instead of every split
+        heuristic = _gemv(n, k, bn, bk, warps)["SPLIT_K"]  # swap_gemv: around the tuner's split
         for split in (heuristic // 2, heuristic, 2 * heuristic) if kind == "swap_gemv" else (1, 2, 4, 8, 16):
             cfg = dict(kernel=kind, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
                        num_stages=stages)

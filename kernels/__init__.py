@@ -58,14 +58,12 @@ def w4a16_run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
               bias: torch.Tensor | None, group_size: int, swap_weight: torch.Tensor | None, cfg: dict) -> torch.Tensor:
     """One W4A16 call with an explicit config: the swap kernel on its own weight layout, else w4a16.py's."""
     from .w4a16 import w4a16_matmul
-    from .w4a16_swap import swap_dequantize, w4a16_swap_gemv, w4a16_swap_matmul
+    from .w4a16_swap import w4a16_swap_gemv, w4a16_swap_matmul
 
     if cfg["kernel"] == "swap":
         return w4a16_swap_matmul(x, swap_weight, scales, zeros, bias, group_size, cfg)
     if cfg["kernel"] == "swap_gemv":
         return w4a16_swap_gemv(x, swap_weight, scales, zeros, bias, group_size, cfg)
-    if cfg["kernel"] == "swap_dequant_mm":
-        return torch.nn.functional.linear(x, swap_dequantize(swap_weight, scales, zeros, group_size), bias)
     return w4a16_matmul(x, qweight, scales, zeros, bias, group_size, cfg)
 
 

@@ -81,18 +81,21 @@ SWAP_TILES = {  # (BM, BN, BK, warps, stages)
 }
 
 
-# The W4A16 gemv on the swap layout (w4a16_swap.py): (BLOCK_N, BLOCK_K, warps, stages: 1 = register prefetch,
-# more = a cp.async ring), first = default.
-SWAP_GEMV_TILES = ((32, 256, 4, 1), (64, 256, 4, 1), (32, 512, 4, 1), (64, 256, 4, 4), (32, 512, 4, 3),
-                   (64, 512, 8, 3))
+# The W4A16 gemv on the swap layout (w4a16_swap.py): (BLOCK_N, BLOCK_K, warps). The H200 sweep's winners
+# (sweep_swap_gemv_stages_2026-12-04.md): BK 256 with 32 or 64 rows on every shape, at the heuristic split or half.
+SWAP_GEMV_TILES = ((32, 256, 4), (64, 256, 4), (32, 512, 4))
 
 
 def swap_gemv_candidates(n: int, k: int, group: int) -> list[dict]:
-    """The swap-layout gemv's configs that fit the layer, each at its heuristic split."""
+    """The swap-layout gemv's configs that fit the layer, at the heuristic split and at half of it."""
     from .w4a16_swap import swap_gemv_fits
 
-    return [_gemv(n, k, bn, bk, warps, stages, kind="swap_gemv") for bn, bk, warps, stages in SWAP_GEMV_TILES
-            if swap_gemv_fits(k, n, group, bn, bk)]
+    out = []
+    for bn, bk, warps in SWAP_GEMV_TILES:
+        if swap_gemv_fits(k, n, group, bn, bk):
+            cfg = _gemv(n, k, bn, bk, warps, stages=1, kind="swap_gemv")
+            out += [cfg] + ([{**cfg, "SPLIT_K": cfg["SPLIT_K"] // 2}] if cfg["SPLIT_K"] > 1 else [])
+    return out
 
 
 def swap_candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
@@ -171,9 +174,7 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
     if b >= 256:
         big = "dequant_mm" if scheme == "w4a16" else "int_mm"
         out.insert(0 if b >= 1024 else len(out), dict(kernel=big))
-        if swap and scheme == "w4a16":
-            out.insert(1 if b >= 1024 else len(out), dict(kernel="swap_dequant_mm"))
-    return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm", "swap_dequant_mm") or _fits(c, k, group)]
+    return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm") or _fits(c, k, group)]
 
 
 class TuningCache:

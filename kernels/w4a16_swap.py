@@ -19,6 +19,9 @@ which stops the hoist, so it is applied to the dot result instead: sum x (q - z)
 sum x, with each K tile's x sum taken from the x slices already loaded. Groups of 64 or more (each K tile
 inside one group: its fp32 dot result is corrected and scaled once) or per channel (at the end).
 Split-K as in w4a16.py (fused, deterministic).
+
+The same layout also feeds a decode gemv (`w4a16_swap_gemv`, one to four tokens, CUDA cores; end of this file),
+which reads x as its own fp16 pairs: on the H200 it beats the K-packed gemv_h2 on the small 8B shapes.
 """
 
 from __future__ import annotations
@@ -200,8 +203,7 @@ def w4a16_swap_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The same layout for one to four tokens (gemv, CUDA cores) and for many (dequantize once, then cuBLAS), so a layer
-# that has it needs no other copy of its weight on the GPU.
+# The same layout for one to four tokens: a gemv on CUDA cores.
 #
 # Read as int32, word (n, u) of a weight row holds two int16 neighbours t = 2u, 2u + 1: nibble j of its low / high
 # half is input 64 c + 16 j + 2 i + b (c = u // 8, i = u % 8, b = 0 / 1). Marlin's lop3 turns nibbles j of both
@@ -290,19 +292,11 @@ def _swap_gemv_dots(words, z, x0, x1, x2, x3, x_ptr, k0, u, HAS_ZEROS: tl.conste
     return dot
 
 
-@triton.jit
-def _swap_gemv_accumulate(acc, words, s, z, x0, x1, x2, x3, x_row, k0, u, PER_CHANNEL: tl.constexpr,
-                          HAS_ZEROS: tl.constexpr, PTX: tl.constexpr):
-    dots = _swap_gemv_dots(words, z, x0, x1, x2, x3, x_row, k0, u, HAS_ZEROS, PTX)
-    return acc + dots if PER_CHANNEL else acc + dots * s
-
-
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])  # one compile serves every M and split
 def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                             GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
                             HAS_BIAS: tl.constexpr, SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_WORDS: tl.constexpr, IS_SPLIT: tl.constexpr, PTX: tl.constexpr,
-                            STAGES: tl.constexpr):
+                            GROUP_WORDS: tl.constexpr, IS_SPLIT: tl.constexpr, PTX: tl.constexpr):
     # Program (x row m, BLOCK_N weight rows, every SPLIT_K-th K tile). Its words are [BN, GT, GW]: GT runs of
     # GW words (GROUP_WORDS) that share a group scale, which so stays a [BN, GT, 1] broadcast (no per-word load).
     m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -315,21 +309,18 @@ def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     x_row = x_ptr + m * K
     last = K // BLOCK_K - 1
     acc = tl.zeros((BLOCK_N, GT, GROUP_WORDS), dtype=tl.float32)
-    if STAGES > 1:  # a cp.async ring of STAGES tiles: Triton pipelines a dot-free loop that tl.range asks to
-        for t in tl.range(pid_k, K // BLOCK_K, SPLIT_K, num_stages=STAGES):
-            k0 = t * BLOCK_K
-            words, s, z, x0, x1, x2, x3 = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k0, N, offs_n, u, run_first,
-                                                           GROUP, PER_CHANNEL, HAS_ZEROS, PTX)
-            acc = _swap_gemv_accumulate(acc, words, s, z, x0, x1, x2, x3, x_row, k0, u, PER_CHANNEL, HAS_ZEROS, PTX)
-    else:  # register prefetch, as the K-packed gemv: the next tile's loads go out before this tile's arithmetic
-        words, s, z, x0, x1, x2, x3 = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, u,
-                                                       run_first, GROUP, PER_CHANNEL, HAS_ZEROS, PTX)
-        for t in range(pid_k, K // BLOCK_K, SPLIT_K):
-            k0, k_next = t * BLOCK_K, tl.minimum(t + SPLIT_K, last) * BLOCK_K  # the last tile re-reads itself
-            nxt = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k_next, N, offs_n, u, run_first, GROUP, PER_CHANNEL,
-                                   HAS_ZEROS, PTX)
-            acc = _swap_gemv_accumulate(acc, words, s, z, x0, x1, x2, x3, x_row, k0, u, PER_CHANNEL, HAS_ZEROS, PTX)
-            words, s, z, x0, x1, x2, x3 = nxt
+    # register prefetch, as the K-packed gemv: the next tile's loads go out before this tile's arithmetic. (A
+    # cp.async ring instead, which Triton builds for this dot-free loop when tl.range asks for stages, was 10-25%
+    # slower at every depth on the H200: sweep_swap_gemv_stages_2026-12-04.md.)
+    words, s, z, x0, x1, x2, x3 = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, u,
+                                                   run_first, GROUP, PER_CHANNEL, HAS_ZEROS, PTX)
+    for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+        k0, k_next = t * BLOCK_K, tl.minimum(t + SPLIT_K, last) * BLOCK_K  # the last tile re-reads itself
+        nxt = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k_next, N, offs_n, u, run_first, GROUP, PER_CHANNEL,
+                               HAS_ZEROS, PTX)
+        dots = _swap_gemv_dots(words, z, x0, x1, x2, x3, x_row, k0, u, HAS_ZEROS, PTX)
+        acc += dots if PER_CHANNEL else dots * s
+        words, s, z, x0, x1, x2, x3 = nxt
     out = tl.sum(tl.sum(acc, axis=2), axis=1) * (64.0 if PTX else 1.0)
     if PER_CHANNEL:
         out *= tl.load(s_ptr + offs_n).to(tl.float32)
@@ -364,37 +355,6 @@ def w4a16_swap_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
         x, packed, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out, part,
         counters, m, n, k, GROUP=group_size, PER_CHANNEL=group_size == k, HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_WORDS=min(group_size, block_k) // 8, IS_SPLIT=split > 1, PTX=ptx, STAGES=config["num_stages"],
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        GROUP_WORDS=min(group_size, block_k) // 8, IS_SPLIT=split > 1, PTX=ptx, num_warps=config["num_warps"],
+        num_stages=config["num_stages"])
     return out
-
-
-@triton.jit
-def _swap_dequant_kernel(h_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight rows [BLOCK_N, BLOCK_K] of W [N, K] in w's dtype from the swap layout: (q - z) * s rounded once."""
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    t = tl.arange(0, BLOCK_K // 4)
-    h = tl.load(h_ptr + offs_n[:, None] * (K // 4) + pid_k * (BLOCK_K // 4) + t[None, :]).to(tl.int32)
-    first = pid_k * BLOCK_K + (t // 16) * _CHUNK + t % 16  # input of nibble 0
-    idx = (first // GROUP)[None, :] * N + offs_n[:, None]
-    s = tl.load(s_ptr + idx).to(tl.float32)
-    z = tl.full((1, 1), 8.0, tl.float32)
-    if HAS_ZEROS:
-        z = tl.load(z_ptr + idx).to(tl.float32)
-    for j in tl.static_range(4):
-        w = (((h >> (4 * j)) & 0xF).to(tl.float32) - z) * s
-        tl.store(w_ptr + offs_n[:, None] * K + (first + 16 * j)[None, :], w.to(w_ptr.dtype.element_ty))
-
-
-def swap_dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                    group_size: int) -> torch.Tensor:
-    """The weight [N, K] in the scales' dtype from the swap layout (the large-M path: then cuBLAS)."""
-    n, k = packed.shape[0], packed.shape[1] * 4
-    block_n, block_k = 32, 256 if k % 256 == 0 else CHUNK
-    w = torch.empty(n, k, dtype=scales.dtype, device=packed.device)
-    _swap_dequant_kernel[(n // block_n, k // block_k)](
-        packed, scales, zeros if zeros is not None else scales, w, n, k, GROUP=group_size,
-        HAS_ZEROS=zeros is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
-    return w
