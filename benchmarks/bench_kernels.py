@@ -308,9 +308,6 @@ def gemv_sweep_configs(m: int, n: int, k: int, group: int, kind: str = "gemv") -
             fits = swap_gemv_fits(k, n, group, bn, bk) if kind == "swap_gemv" else _fits(cfg, k, group)
             if split >= 1 and (split == 1 or k // bk >= 2 * split) and fits and cfg not in out:
                 out.append(cfg)
-                if kind == "swap_gemv":  # two tiles in flight, and L2 eviction hints on the weight
-                    out += [{**cfg, "PREFETCH": 2}, {**cfg, "EVICT_FIRST": True},
-                            {**cfg, "PREFETCH": 2, "EVICT_FIRST": True}]
     return out
 
 
@@ -428,8 +425,7 @@ def sweep_markdown(rows: list[dict]) -> str:
         lines.append(f"| {scheme} | {shape} | {m} | {kind} | {r['t_cublas_us']:.1f} | {r['t_us']:.1f} | "
                      f"{r['speedup']:.2f} | {r['GBps']:.0f} | {r.get('regs')} | {r.get('spills')} | "
                      f"{c['kernel']} BM{c.get('BLOCK_M')} BN{c.get('BLOCK_N')} BK{c.get('BLOCK_K')} "
-                     f"S{c.get('SPLIT_K')} w{c.get('num_warps')} s{c.get('num_stages')}"
-                     + "".join(f" {key}={c[key]}" for key in ("PREFETCH", "EVICT_FIRST") if key in c) + " |")
+                     f"S{c.get('SPLIT_K')} w{c.get('num_warps')} s{c.get('num_stages')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -244,13 +244,11 @@ _WORD_DOT_ZEROS = tl.constexpr(_gemv_word_dot_ptx(True))
 
 @triton.jit
 def _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k0, N, offs_n, u, run_first, GROUP: tl.constexpr,
-                     PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr, PTX: tl.constexpr, EVICT_FIRST: tl.constexpr):
+                     PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr, PTX: tl.constexpr):
     """One K tile's words [BN, GT, GW], group scales and zero points [BN, GT, 1] (fp32; per channel: unused
     here) and, for the PTX path, x's four fp16x2 slices [1, GT, GW] (fp16 pairs as int32)."""
-    if EVICT_FIRST:  # read once: first out of L2
-        words = tl.load(w_ptrs + k0 // 8, eviction_policy="evict_first")
-    else:
-        words = tl.load(w_ptrs + k0 // 8)
+    # read once: first out of L2 (H200: +1-7% at M = 1 on every shape, sweep_swap_gemv_prefetch_2026-12-04.md)
+    words = tl.load(w_ptrs + k0 // 8, eviction_policy="evict_first")
     if PER_CHANNEL:
         idx = offs_n[:, None, None]
         s = tl.zeros((1, 1, 1), tl.float32)
@@ -299,8 +297,7 @@ def _swap_gemv_dots(words, z, x0, x1, x2, x3, x_ptr, k0, u, HAS_ZEROS: tl.conste
 def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                             GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
                             HAS_BIAS: tl.constexpr, SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_WORDS: tl.constexpr, IS_SPLIT: tl.constexpr, PTX: tl.constexpr,
-                            PREFETCH: tl.constexpr, EVICT_FIRST: tl.constexpr):
+                            GROUP_WORDS: tl.constexpr, IS_SPLIT: tl.constexpr, PTX: tl.constexpr):
     # Program (x row m, BLOCK_N weight rows, every SPLIT_K-th K tile). Its words are [BN, GT, GW]: GT runs of
     # GW words (GROUP_WORDS) that share a group scale, which so stays a [BN, GT, 1] broadcast (no per-word load).
     m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -316,24 +313,16 @@ def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     # register prefetch, as the K-packed gemv: the next tile's loads go out before this tile's arithmetic. (A
     # cp.async ring instead, which Triton builds for this dot-free loop when tl.range asks for stages, was 10-25%
     # slower at every depth on the H200: sweep_swap_gemv_stages_2026-12-04.md.)
-    # PREFETCH 2: two tiles in flight (the second in its own registers).
+    # (Two tiles in flight, the second in its own registers, lost 4-13%: sweep_swap_gemv_prefetch_2026-12-04.md.)
     words, s, z, x0, x1, x2, x3 = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, u,
-                                                   run_first, GROUP, PER_CHANNEL, HAS_ZEROS, PTX, EVICT_FIRST)
-    if PREFETCH == 2:
-        w2, s2, z2, y0, y1, y2, y3 = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr,
-                                                      tl.minimum(pid_k + SPLIT_K, last) * BLOCK_K, N, offs_n, u,
-                                                      run_first, GROUP, PER_CHANNEL, HAS_ZEROS, PTX, EVICT_FIRST)
+                                                   run_first, GROUP, PER_CHANNEL, HAS_ZEROS, PTX)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
-        k0, k_next = t * BLOCK_K, tl.minimum(t + PREFETCH * SPLIT_K, last) * BLOCK_K  # the last re-read
+        k0, k_next = t * BLOCK_K, tl.minimum(t + SPLIT_K, last) * BLOCK_K  # the last tile re-reads itself
         nxt = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k_next, N, offs_n, u, run_first, GROUP, PER_CHANNEL,
-                               HAS_ZEROS, PTX, EVICT_FIRST)
+                               HAS_ZEROS, PTX)
         dots = _swap_gemv_dots(words, z, x0, x1, x2, x3, x_row, k0, u, HAS_ZEROS, PTX)
         acc += dots if PER_CHANNEL else dots * s
-        if PREFETCH == 2:
-            words, s, z, x0, x1, x2, x3 = w2, s2, z2, y0, y1, y2, y3
-            w2, s2, z2, y0, y1, y2, y3 = nxt
-        else:
-            words, s, z, x0, x1, x2, x3 = nxt
+        words, s, z, x0, x1, x2, x3 = nxt
     out = tl.sum(tl.sum(acc, axis=2), axis=1) * (64.0 if PTX else 1.0)
     if PER_CHANNEL:
         out *= tl.load(s_ptr + offs_n).to(tl.float32)
@@ -368,6 +357,6 @@ def w4a16_swap_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
         x, packed, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out, part,
         counters, m, n, k, GROUP=group_size, PER_CHANNEL=group_size == k, HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_WORDS=min(group_size, block_k) // 8, IS_SPLIT=split > 1, PTX=ptx, PREFETCH=config.get("PREFETCH", 1),
-        EVICT_FIRST=config.get("EVICT_FIRST", False), num_warps=config["num_warps"], num_stages=config["num_stages"])
+        GROUP_WORDS=min(group_size, block_k) // 8, IS_SPLIT=split > 1, PTX=ptx, num_warps=config["num_warps"],
+        num_stages=config["num_stages"])
     return out

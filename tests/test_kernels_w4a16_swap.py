@@ -222,7 +222,7 @@ def test_swap_gemv_matches_float64(dtype: torch.dtype, group: int, sym: bool) ->
     packed = repack_for_swap(layer.qweight)
     zeros = None if sym else layer.zeros
     for m, config in [(1, dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=1)), (3, dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2)),
-                      (2, dict(BLOCK_N=128, BLOCK_K=64, SPLIT_K=4, PREFETCH=2, EVICT_FIRST=True))]:
+                      (2, dict(BLOCK_N=128, BLOCK_K=64, SPLIT_K=4))]:
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(dtype)
         out = w4a16_swap_gemv(x, packed, layer.scales, zeros, layer.bias, layer.group_size, _GEMV | config)
         assert out.shape == (m, 128) and out.dtype == dtype and not out.isnan().any(), config
@@ -275,7 +275,7 @@ sig = {**sig, **{name: "constexpr" for name in fn.arg_names if name not in sig}}
 for group, words, zeros, split in ((128, 16, False, True), (128, 16, True, False), (4096, 64, True, True),
                                    (64, 8, False, True)):
     consts = dict(GROUP=group, PER_CHANNEL=group == 4096, HAS_ZEROS=zeros, HAS_BIAS=True, BLOCK_N=32,
-                  BLOCK_K=512, GROUP_WORDS=words, IS_SPLIT=split, PTX=True, PREFETCH=1 + split, EVICT_FIRST=split)
+                  BLOCK_K=512, GROUP_WORDS=words, IS_SPLIT=split, PTX=True)
     kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                      options={"num_warps": 4})
     ptx = kernel.asm["ptx"]
