@@ -74,16 +74,18 @@ def halves(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(pair >= 2**15, pair - 2**16, pair).to(torch.int16).view(dtype).double()
 
 
+def pair_bits(values: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """[..., 2] values rounded to `dtype` -> int64 holding them as one 16x2 register (element 0 in the low half)."""
+    h = values.to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    return h[..., 0] | (h[..., 1] << 16)
+
+
 def run_ptx(asm: str, words: torch.Tensor, dtype: torch.dtype = torch.float16,
             inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Executes one of the kernels' PTX blocks on every int32 of `words` ($1; more input registers in `inputs`)
     and returns $0: its 32 bits, or its value for an f32 result. A tiny interpreter of the instructions the
     blocks use: half2 arithmetic on `dtype` computed exactly in float64 and rounded once, as the GPU's is."""
     regs = {"$1": words.to(torch.int64) & 0xFFFFFFFF, **(inputs or {})}
-
-    def bits(x: torch.Tensor) -> torch.Tensor:
-        h = x.to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
-        return h[..., 0] | (h[..., 1] << 16)
 
     def value(operand: str) -> torch.Tensor:
         return regs[operand] if operand in regs else torch.full_like(words, int(operand, 0), dtype=torch.int64)
@@ -115,8 +117,8 @@ def run_ptx(asm: str, words: torch.Tensor, dtype: torch.dtype = torch.float16,
             regs[dst] = (a[0] & a[1]) | a[2]
         elif op in ("sub.f16x2", "mul.rn.f16x2", "fma.rn.f16x2", "fma.rn.bf16x2"):
             h = [halves(v, dtype) for v in a]
-            regs[dst] = bits(h[0] - h[1] if op.startswith("sub") else h[0] * h[1] if op.startswith("mul") else
-                             h[0] * h[1] + h[2])
+            regs[dst] = pair_bits(h[0] - h[1] if op.startswith("sub") else h[0] * h[1] if op.startswith("mul")
+                                  else h[0] * h[1] + h[2], dtype)
         else:
             raise AssertionError(f"unknown instruction {line!r}")
     return regs["$0"]
@@ -231,12 +233,6 @@ def test_swap_gemv_matches_float64(dtype: torch.dtype, group: int, sym: bool) ->
         w4a16_swap_gemv(x, packed, layer.scales, zeros, None, layer.group_size, dict(config, BLOCK_K=96) | _GEMV)
 
 
-def _fp16_pairs(values: torch.Tensor) -> torch.Tensor:
-    """[..., 2] fp16 values -> int64 holding them as one fp16x2 (element 0 in the low half)."""
-    h = values.half().view(torch.int16).to(torch.int64) & 0xFFFF
-    return h[..., 0] | (h[..., 1] << 16)
-
-
 @pytest.mark.parametrize("x_scale", [1.0, 6e4])
 @pytest.mark.parametrize("zeros", [False, True])
 def test_swap_gemv_word_dot_ptx(x_scale: float, zeros: bool) -> None:
@@ -249,10 +245,10 @@ def test_swap_gemv_word_dot_ptx(x_scale: float, zeros: bool) -> None:
     words = torch.randint(-2**31, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64)
     x = (torch.randn(4096, 4, 2, generator=gen) * x_scale).clamp(-65504, 65504).half()  # [word, slice j, lane b]
     z = torch.randint(0, 16, (4096,), generator=gen) if zeros else torch.full((4096,), 8)
-    inputs = {f"${2 + j}": _fp16_pairs(x[:, j]) for j in range(4)}
+    inputs = {f"${2 + j}": pair_bits(x[:, j]) for j in range(4)}
     if zeros:
-        inputs["$6"] = _fp16_pairs(torch.stack([-(16 + z / 64)] * 2, dim=-1))
-        inputs["$7"] = _fp16_pairs(torch.stack([-(1 + z / 64)] * 2, dim=-1))
+        inputs["$6"] = pair_bits(torch.stack([-(16 + z / 64)] * 2, dim=-1))
+        inputs["$7"] = pair_bits(torch.stack([-(1 + z / 64)] * 2, dim=-1))
     got = run_ptx(_gemv_word_dot_ptx(zeros), words, inputs=inputs)
     codes = torch.stack([torch.stack([(words >> (16 * b + 4 * j)) & 0xF for b in range(2)], -1) for j in range(4)], 1)
     w = (codes - z[:, None, None]).double() / 64  # [word, j, b]
