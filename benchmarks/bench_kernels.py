@@ -118,9 +118,13 @@ def check_correctness(log, schemes: list[str]) -> int:
     return failures
 
 
+SWAP_LAYOUT_KERNELS = ("swap", "swap_gemv", "wgmma")  # the kernels on the int16 swap layout
+
+
 def check_swap(log, schemes: list[str]) -> int:
-    """The swap kernels vs float64 with NaN-poisoned outputs: every candidate config for fp16 g128, the first
-    three for fp16 g64 / per-channel, bf16 g128 and (W4A16) asymmetric fp16 g128 / bf16 per-channel."""
+    """The swap-layout kernels vs float64 with NaN-poisoned outputs: every candidate config for fp16 g128, the
+    first two of each kernel for fp16 g64 / per-channel, bf16 g128 and (W4A16) asymmetric fp16 g128 / bf16
+    per-channel."""
     from quantkit.kernels.autotune import candidates
 
     failures = 0
@@ -134,9 +138,10 @@ def check_swap(log, schemes: list[str]) -> int:
             for m in (1, 3, 5, 64, 300):
                 x = torch.randn(m, 1024, device="cuda", dtype=dtype)
                 ref = reference(layer, x)
-                configs = [c for c in candidates(scheme, m, 768, 1024, layer.group_size, swap=True)
-                           if c["kernel"].startswith("swap")]
-                for cfg in configs if (group, dtype, sym) == (128, torch.float16, True) else configs[:3]:
+                configs = [c for c in candidates(scheme, m, 768, 1024, layer.group_size, swap=True, hopper=True)
+                           if c["kernel"] in SWAP_LAYOUT_KERNELS]
+                firsts = [c for kind in SWAP_LAYOUT_KERNELS for c in [c for c in configs if c["kernel"] == kind][:2]]
+                for cfg in configs if (group, dtype, sym) == (128, torch.float16, True) else firsts:
                     failures += _failed(log, _checked_err(layer, x, cfg, ref, log), tol,
                                         f"swap {scheme} g{group} {dtype} sym={sym} m={m} {cfg}")
             log(f"checked swap {scheme} g{group} {dtype} sym={sym}")
@@ -444,7 +449,7 @@ def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: f
     runners = [config_runner(la) for la in layers]
     ref = reference(layers[0], xs[0])
     gemv_kinds = ("swap_gemv",) * (scheme == "w4a16") + GEMV_KERNELS  # the new one first, within the budget
-    tiled = [c for c in candidates(scheme, m, n, k, 128, swap=True) if c["kernel"] not in gemv_kinds
+    tiled = [c for c in candidates(scheme, m, n, k, 128, swap=True, hopper=True) if c["kernel"] not in gemv_kinds
              and (kinds is None or c["kernel"] in kinds)]
     gemvs = [c for kind in gemv_kinds if kinds is None or kind in kinds
              for c in gemv_sweep_configs(m, n, k, 128, kind)]

@@ -60,6 +60,10 @@ def w4a16_run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     from .w4a16 import w4a16_matmul
     from .w4a16_swap import w4a16_swap_gemv, w4a16_swap_matmul
 
+    if cfg["kernel"] == "wgmma":  # Gluon, Hopper only (imported here: older Tritons have no Gluon)
+        from .w4a16_wgmma import w4a16_wgmma_matmul
+
+        return w4a16_wgmma_matmul(x, swap_weight, scales, zeros, bias, group_size, cfg)
     if cfg["kernel"] == "swap":
         return w4a16_swap_matmul(x, swap_weight, scales, zeros, bias, group_size, cfg)
     if cfg["kernel"] == "swap_gemv":

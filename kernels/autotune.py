@@ -117,10 +117,11 @@ def swap_candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dic
     return list({str(c): c for c in out}.values())
 
 
-def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = False) -> list[dict]:
+def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = False, hopper: bool = False) -> list[dict]:
     """Configs worth timing for this problem, the heuristic default first. scheme: 'w4a16' or 'w4a8'.
     swap: the layer has a swap kernel's weight layout (w4a16_swap; w4a8_swap for symmetric weights): its
-    configs lead from M = 2 to 64 (and join W4A8's timed candidates at M = 128..512)."""
+    configs lead from M = 2 to 64 (and join W4A8's timed candidates at M = 128..512). hopper: the Gluon
+    wgmma kernel (W4A16 on the swap layout, M >= 8) can run, its configs are timed too."""
     b = m_bucket(m)
     out: list[dict] = []
     bk_min = 32 if scheme == "w4a16" else 64  # int8 dot needs K >= 32 per instruction; 64 keeps it fed
@@ -171,10 +172,50 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
                swapped + swap_gemv + firsts + gemv)
     elif swap:  # W4A8 at M = 128..512
         out += swap_candidates(scheme, m, n, k, group)
+    if swap and hopper and scheme == "w4a16":
+        out += wgmma_candidates(m, n, k, group)
     if b >= 256:
         big = "dequant_mm" if scheme == "w4a16" else "int_mm"
         out.insert(0 if b >= 1024 else len(out), dict(kernel=big))
     return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm") or _fits(c, k, group)]
+
+
+# The Gluon kernel on the swap layout with asynchronous wgmma (w4a16_wgmma.py), by M bucket: (BM, BN, BK, warps,
+# stages). BM is wgmma's N (the tokens), BN the weight rows (64 per wgmma), BK <= 256 (TMA's 128-byte rows).
+WGMMA_TILES = {
+    16: ((16, 128, 128, 4, 4), (16, 128, 64, 4, 6), (16, 256, 128, 4, 4), (16, 256, 64, 4, 4), (16, 256, 128, 8, 4),
+         (16, 128, 128, 4, 8)),
+    32: ((32, 128, 128, 4, 4), (32, 128, 64, 4, 6), (32, 256, 128, 8, 4), (16, 128, 128, 4, 4)),
+    64: ((64, 128, 64, 4, 6), (64, 256, 64, 4, 4), (64, 256, 128, 8, 3), (64, 256, 64, 8, 4), (64, 128, 128, 4, 4),
+         (64, 64, 128, 4, 4)),
+    128: ((128, 64, 128, 4, 4), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3), (64, 256, 64, 8, 4)),
+    256: ((256, 64, 64, 4, 3), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)),
+}
+
+
+def wgmma_candidates(m: int, n: int, k: int, group: int) -> list[dict]:
+    """The Gluon wgmma kernel's configs that fit the layer (M >= 8), at the heuristic split and half of it."""
+    from .w4a16_wgmma import wgmma_fits
+
+    b = m_bucket(m)
+    out = []
+    for bm, bn, bk, warps, stages in WGMMA_TILES[min(max(b, 16), 256)] if b >= 8 else ():
+        bk = bk if group == k else min(bk, group)
+        if wgmma_fits(k, n, group, bn, bk):
+            cfg = _tile("wgmma", bm, bn, bk, warps, stages, m, n, k)
+            out += [{**cfg, "SPLIT_K": max(1, cfg["SPLIT_K"] // d)} for d in (1, 2, 4)]
+    return list({str(c): c for c in out}.values())
+
+
+def hopper_gluon(device: torch.device) -> bool:
+    """Whether the Gluon wgmma kernel can run here: an sm_90 GPU and a Triton with Gluon's Hopper module."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    try:
+        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class TuningCache:
@@ -264,7 +305,7 @@ def pick_config(scheme: str, x: torch.Tensor, n: int, k: int, group: int, run: C
                 zeros: bool = False, two_level: bool | None = None, swap: bool = False) -> dict:
     """The config for this call: cached, else tuned (timing run(config) for each candidate), else default."""
     m = x.shape[0]
-    options = candidates(scheme, m, n, k, group, swap)
+    options = candidates(scheme, m, n, k, group, swap, hopper_gluon(x.device))
     if not (x.is_cuda and tuning_enabled()):
         return options[0]
     key = tuning_key(torch.cuda.get_device_name(x.device), scheme, x.dtype, n, k, group, m, zeros, two_level, swap)

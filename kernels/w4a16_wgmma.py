@@ -1,0 +1,201 @@
+"""W4A16 on Hopper for M = 16..256 in Gluon: the swap layout's weight as an *asynchronous* wgmma's register operand.
+
+`w4a16_swap.py` computes out^T = W x^T with the dequantized weight as wgmma's register A operand, but plain Triton
+makes such a wgmma synchronous (a `wgmma.wait_group 0` after every slice dot), so dequantization and mma serialize.
+Gluon (Triton's lower-level language) states the pipeline itself:
+- a ring of STAGES shared-memory buffers filled by TMA: the weight's int16 swap-layout tile [BLOCK_N, BLOCK_K / 4]
+  and x's tile as BLOCK_K / 64 boxes [BLOCK_M, 64] (a box row is 128 bytes: the TMA swizzle limit);
+- per 64-input chunk, the int16 [BLOCK_N, 16] is read from shared memory straight into wgmma's A-operand layout;
+  each nibble slice j (Marlin's lop3 into the fp16 1024 / bf16 128 mantissa, `_slice_ptx`) is the weight of the x
+  columns 16 j .. 16 j + 15 of the chunk, times its group scale (Marlin's order: the dequantized weight is rounded
+  to fp16 / bf16 once; per-channel scales go to the epilogue instead);
+- every wgmma is issued async and followed by `wait(1)`: the next slice is dequantized while the previous mma runs.
+  The previous slice's registers are threaded through that wait (as Triton's own WGMMA pipeliner does) so they stay
+  untouched until its mma has read them.
+Split K as in w4a16.py: fp32 partials, the last program of a tile sums them in split order.
+
+Gluon kernels have no CPU interpreter: on CPU `w4a16_wgmma_reference` (the same arithmetic in torch) is what the
+tests check against float64, together with the sm_90 compile of the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .w4a16 import split_buffers
+from .w4a16_swap import _CHUNK, CHUNK, _slice_ptx
+
+_F0, _F1, _F2, _F3 = (gl.constexpr(_slice_ptx(j, "fp16")) for j in range(4))
+_B0, _B1, _B2, _B3 = (gl.constexpr(_slice_ptx(j, "bf16")) for j in range(4))
+
+
+@gluon.jit
+def _slice_q8(h, j: gl.constexpr, FP16: gl.constexpr):
+    """Nibble slice j of the int16 weight tile as q - 8 (exact), in the tile's own layout."""
+    if j == 0:
+        asm: gl.constexpr = _F0 if FP16 else _B0
+    elif j == 1:
+        asm: gl.constexpr = _F1 if FP16 else _B1
+    elif j == 2:
+        asm: gl.constexpr = _F2 if FP16 else _B2
+    else:
+        asm: gl.constexpr = _F3 if FP16 else _B3
+    return gl.inline_asm_elementwise(asm, "=r,r", [h], dtype=gl.float16 if FP16 else gl.bfloat16, is_pure=True,
+                                     pack=2)
+
+
+@gluon.jit
+def _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, stage, off_n, off_m, k0, pred, CHUNKS: gl.constexpr):
+    """TMA of one K tile (weight + x) into ring stage `stage`, signalled on its barrier."""
+    bar = bars.index(stage)
+    mbarrier.expect(bar, w_desc.block_type.nbytes + CHUNKS * x_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(w_desc, [off_n, k0 // 4], bar, w_smem.index(stage), pred=pred)
+    for c in gl.static_range(CHUNKS):
+        tma.async_copy_global_to_shared(x_desc, [off_m, k0 + _CHUNK * c], bar, x_smem.index(stage * CHUNKS + c),
+                                        pred=pred)
+
+
+@gluon.jit
+def _row_params(s_ptr, z_ptr, k0, N, offs_n, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, dtype: gl.constexpr):
+    """A K tile's group scales and zero points minus 8, [BLOCK_N, 1] in the weight operand's layout."""
+    g = k0 // GROUP
+    s = gl.load(s_ptr + g * N + offs_n)
+    zc = (gl.load(z_ptr + g * N + offs_n).to(gl.float32) - 8.0).to(dtype) if HAS_ZEROS else s
+    return gl.expand_dims(s, 1), gl.expand_dims(zc, 1)
+
+
+@gluon.jit(do_not_specialize=["M", "SPLIT_K"])  # one compile serves every M and split
+def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                        GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
+                        HAS_BIAS: gl.constexpr, SPLIT_K, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                        num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = 4 * w_desc.block_type.shape[1]
+    CHUNKS: gl.constexpr = BLOCK_K // _CHUNK
+    dtype: gl.constexpr = x_desc.dtype
+    FP16: gl.constexpr = dtype == gl.float16
+    pid_n, pid_m, pid_k = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    off_n, off_m = pid_n * BLOCK_N, pid_m * BLOCK_M
+
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+
+    w_smem = gl.allocate_shared_memory(gl.int16, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    x_smem = gl.allocate_shared_memory(dtype, [STAGES * CHUNKS] + x_desc.block_type.shape, x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    n_tiles = (K // BLOCK_K - pid_k + SPLIT_K - 1) // SPLIT_K  # this program's K tiles: pid_k, pid_k + SPLIT_K, ...
+    for i in gl.static_range(STAGES - 1):
+        _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, i, off_n, off_m, (pid_k + i * SPLIT_K) * BLOCK_K,
+                    i < n_tiles, CHUNKS)
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
+    a_prev = gl.zeros([BLOCK_N, 16], dtype, a_layout)
+    if PER_CHANNEL:
+        s, zc = _row_params(s_ptr, z_ptr, 0, N, offs_n, GROUP, HAS_ZEROS, dtype)
+    else:
+        s, zc = _row_params(s_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, GROUP, HAS_ZEROS, dtype)
+    for i in range(n_tiles):
+        stage = i % STAGES
+        if not PER_CHANNEL:  # the next tile's scales go out now (the last tile re-reads its own)
+            k_next = (pid_k + gl.minimum(i + 1, n_tiles - 1) * SPLIT_K) * BLOCK_K
+            s_next, zc_next = _row_params(s_ptr, z_ptr, k_next, N, offs_n, GROUP, HAS_ZEROS, dtype)
+        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+        for c in gl.static_range(CHUNKS):
+            h = w_smem.index(stage).slice(16 * c, 16, dim=1).load(a_layout)
+            for j in gl.static_range(4):
+                a = _slice_q8(h, j, FP16)
+                if HAS_ZEROS:
+                    a = a - zc
+                if not PER_CHANNEL:
+                    a = a * s
+                b = x_smem.index(stage * CHUNKS + c).slice(16 * j, 16, dim=1).permute((1, 0))
+                acc = warpgroup_mma(a, b, acc, is_async=True)
+                acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+                a_prev = a
+                if c == 0 and j == 0:
+                    # every mma of tile i - 1 is done (two warpgroups: in both, hence the barrier), so its
+                    # stage takes tile i + STAGES - 1
+                    if num_warps > 4:
+                        gl.thread_barrier()
+                    nxt = i + STAGES - 1
+                    _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, nxt % STAGES, off_n, off_m,
+                                (pid_k + nxt * SPLIT_K) * BLOCK_K, nxt < n_tiles, CHUNKS)
+        if not PER_CHANNEL:
+            s, zc = s_next, zc_next
+    acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])  # n fastest: coalesced
+    acc = gl.convert_layout(acc, out_layout)
+    on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    if PER_CHANNEL:
+        acc = acc * gl.expand_dims(gl.load(s_ptr + on).to(gl.float32), 1)
+    idx = gl.expand_dims(om, 0) * N + gl.expand_dims(on, 1)
+    mask = gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1)
+    if IS_SPLIT:
+        gl.store(part_ptr + pid_k * M * N + idx, acc, mask=mask)
+        gl.thread_barrier()  # every thread's partial is written before the release below
+        tile = pid_m * gl.num_programs(0) + pid_n
+        if gl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = gl.zeros_like(acc)
+            for sk in range(SPLIT_K):  # .cg: the other SMs' partials from L2, never a stale L1 line
+                acc += gl.load(part_ptr + sk * M * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
+            gl.atomic_xchg(count_ptr + tile, 0)
+            _store_final(acc, out_ptr, bias_ptr, on, idx, mask, HAS_BIAS)
+    else:
+        _store_final(acc, out_ptr, bias_ptr, on, idx, mask, HAS_BIAS)
+
+
+@gluon.jit
+def _store_final(acc, out_ptr, bias_ptr, on, idx, mask, HAS_BIAS: gl.constexpr):
+    if HAS_BIAS:
+        acc = acc + gl.expand_dims(gl.load(bias_ptr + on).to(gl.float32), 1)
+    gl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def wgmma_fits(k: int, n: int, group_size: int, block_n: int, block_k: int) -> bool:
+    """Whether a tile divides this layer: whole tiles along N and K, each K tile inside one group (or per channel),
+    and a weight box row of at most 128 bytes (TMA's swizzle limit: BLOCK_K <= 256)."""
+    per_channel = group_size == k
+    return (n % block_n == 0 and k % block_k == 0 and block_k % CHUNK == 0 and block_k <= 256
+            and (per_channel or group_size % block_k == 0))
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for(block, {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16,
+                                                         torch.int16: gl.int16}[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def w4a16_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                       bias: torch.Tensor | None, group_size: int, config: dict) -> torch.Tensor:
+    """x [M, K] (scales' dtype), packed = repack_for_swap(qweight) [N, K/4], zeros [G, N] or None -> [M, N]."""
+    m, k = x.shape
+    n = packed.shape[0]
+    split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if not wgmma_fits(k, n, group_size, block_n, block_k):
+        raise ValueError(f"wgmma kernel: tile {block_n} x {block_k} does not fit N {n}, K {k}, group {group_size}")
+    if x.data_ptr() % 16 or not x.is_contiguous():  # TMA reads 16-byte aligned rows
+        x = x.contiguous().clone()
+    grid = (n // block_n, triton.cdiv(m, block_m), split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part, counters = split_buffers(split, m, n, grid[0] * grid[1], x.device) if split > 1 else (out, out)
+    _w4a16_wgmma_kernel[grid](
+        _descriptor(x, [block_m, CHUNK]), _descriptor(packed, [block_n, block_k // 4]), scales,
+        zeros if zeros is not None else scales, bias if bias is not None else scales, out, part, counters, m, n, k,
+        GROUP=group_size, PER_CHANNEL=group_size == k, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
+        SPLIT_K=split, IS_SPLIT=split > 1, STAGES=config["num_stages"], num_warps=config["num_warps"])
+    return out
