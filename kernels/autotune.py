@@ -172,8 +172,9 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
                swapped + swap_gemv + firsts + gemv)
     elif swap:  # W4A8 at M = 128..512
         out += swap_candidates(scheme, m, n, k, group)
-    if swap and hopper and scheme == "w4a16":
-        out += wgmma_candidates(m, n, k, group)
+    if swap and hopper and scheme == "w4a16":  # it won every M = 64 / 256 cell but three (swap: 4 of 6 at 16)
+        wgmma = wgmma_candidates(m, n, k, group)
+        out = wgmma + out if 32 <= b <= 512 else out + wgmma
     if b >= 256:
         big = "dequant_mm" if scheme == "w4a16" else "int_mm"
         out.insert(0 if b >= 1024 else len(out), dict(kernel=big))
@@ -182,14 +183,12 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
 
 # The Gluon kernel on the swap layout with asynchronous wgmma (w4a16_wgmma.py), by M bucket: (BM, BN, BK, warps,
 # stages). BM is wgmma's N (the tokens), BN the weight rows (64 per wgmma), BK <= 256 (TMA's 128-byte rows).
-WGMMA_TILES = {
-    16: ((16, 128, 128, 4, 4), (16, 128, 64, 4, 6), (16, 256, 128, 4, 4), (16, 256, 64, 4, 4), (16, 256, 128, 8, 4),
-         (16, 128, 128, 4, 8)),
-    32: ((32, 128, 128, 4, 4), (32, 128, 64, 4, 6), (32, 256, 128, 8, 4), (16, 128, 128, 4, 4)),
-    64: ((64, 128, 64, 4, 6), (64, 256, 64, 4, 4), (64, 256, 128, 8, 3), (64, 256, 64, 8, 4), (64, 128, 128, 4, 4),
-         (64, 64, 128, 4, 4)),
-    128: ((128, 64, 128, 4, 4), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3), (64, 256, 64, 8, 4)),
-    256: ((256, 64, 64, 4, 3), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)),
+WGMMA_TILES = {  # H200 sweeps: benchmarks/kernels/sweep_wgmma_*_2026-12-04.md (32 and 128: interpolated)
+    16: ((16, 128, 64, 4, 6), (16, 256, 64, 4, 4), (16, 256, 128, 8, 4), (16, 128, 128, 4, 4)),
+    32: ((32, 128, 64, 4, 6), (32, 64, 128, 4, 4), (32, 256, 128, 8, 4)),
+    64: ((64, 64, 128, 4, 4), (64, 128, 64, 4, 6), (64, 256, 128, 8, 3), (64, 256, 64, 4, 4)),
+    128: ((128, 128, 64, 4, 3), (64, 128, 64, 4, 6), (64, 256, 128, 8, 3)),
+    256: ((256, 64, 64, 4, 3), (128, 128, 64, 4, 3), (256, 128, 64, 8, 3)),
 }
 
 
