@@ -9,6 +9,7 @@ an untuned bucket uses the default for it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -206,6 +207,7 @@ def wgmma_candidates(m: int, n: int, k: int, group: int) -> list[dict]:
     return list({str(c): c for c in out}.values())
 
 
+@functools.cache
 def hopper_gluon(device: torch.device) -> bool:
     """Whether the Gluon wgmma kernel can run here: an sm_90 GPU and a Triton with Gluon's Hopper module."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):

@@ -14,8 +14,8 @@ Gluon (Triton's lower-level language) states the pipeline itself:
   untouched until its mma has read them.
 Split K as in w4a16.py: fp32 partials, the last program of a tile sums them in split order.
 
-Gluon kernels have no CPU interpreter: on CPU `w4a16_wgmma_reference` (the same arithmetic in torch) is what the
-tests check against float64, together with the sm_90 compile of the kernel.
+Gluon kernels have no CPU interpreter: the tests check the sm_90 compile (async register-operand wgmma, one wait per
+slice, TMA ring); results against float64 are checked on the GPU (bench_kernels.py --check-swap and every sweep).
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .w4a16 import split_buffers
 from .w4a16_swap import _CHUNK, CHUNK, _slice_ptx
 
+# Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared and the CTA barrier thread_barrier; later
+# Tritons async_load and barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _F0, _F1, _F2, _F3 = (gl.constexpr(_slice_ptx(j, "fp16")) for j in range(4))
 _B0, _B1, _B2, _B3 = (gl.constexpr(_slice_ptx(j, "bf16")) for j in range(4))
 
@@ -54,9 +58,9 @@ def _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, stage, off_n, off_m, k0, p
     """TMA of one K tile (weight + x) into ring stage `stage`, signalled on its barrier."""
     bar = bars.index(stage)
     mbarrier.expect(bar, w_desc.block_type.nbytes + CHUNKS * x_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(w_desc, [off_n, k0 // 4], bar, w_smem.index(stage), pred=pred)
+    _tma_load(w_desc, [off_n, k0 // 4], bar, w_smem.index(stage), pred=pred)
     for c in gl.static_range(CHUNKS):
-        tma.async_copy_global_to_shared(x_desc, [off_m, k0 + _CHUNK * c], bar, x_smem.index(stage * CHUNKS + c),
+        _tma_load(x_desc, [off_m, k0 + _CHUNK * c], bar, x_smem.index(stage * CHUNKS + c),
                                         pred=pred)
 
 
@@ -127,7 +131,7 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
                     # every mma of tile i - 1 is done (two warpgroups: in both, hence the barrier), so its
                     # stage takes tile i + STAGES - 1
                     if num_warps > 4:
-                        gl.thread_barrier()
+                        _cta_barrier()
                     nxt = i + STAGES - 1
                     _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, nxt % STAGES, off_n, off_m,
                                 (pid_k + nxt * SPLIT_K) * BLOCK_K, nxt < n_tiles, CHUNKS)
@@ -147,7 +151,7 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     mask = gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1)
     if IS_SPLIT:
         gl.store(part_ptr + pid_k * M * N + idx, acc, mask=mask)
-        gl.thread_barrier()  # every thread's partial is written before the release below
+        _cta_barrier()  # every thread's partial is written before the release below
         tile = pid_m * gl.num_programs(0) + pid_n
         if gl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
             acc = gl.zeros_like(acc)

@@ -1,0 +1,82 @@
+"""The Gluon W4A16 kernel (kernels/w4a16_wgmma.py). Gluon has no CPU interpreter: its results were checked against
+float64 on the H200 (bench_kernels.py --check-swap and every swept config, NaN-poisoned outputs; see
+benchmarks/KERNELS.md). Here: the sm_90 compile shows the pipeline it exists for, and the tuner and shape rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quantkit.kernels.autotune import candidates
+from quantkit.kernels.w4a16_wgmma import w4a16_wgmma_matmul, wgmma_fits
+from test_kernels_w4a16 import compile_for_sm90
+
+WGMMA_COMPILE = """
+import re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import compile
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from quantkit.kernels.w4a16_wgmma import _w4a16_wgmma_kernel as fn
+
+def check(dtype, bm, bn, bk, warps, per_channel, zeros, split):
+    gdt = gl.float16 if dtype == "fp16" else gl.bfloat16
+    x_layout = gl.NVMMASharedLayout.get_default_for([bm, 64], gdt)
+    w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk // 4], gl.int16)
+    sig = {"x_desc": f"tensordesc<{dtype}[{bm}, 64],{x_layout!r}>", "w_desc": f"tensordesc<i16[{bn}, {bk // 4}],{w_layout!r}>",
+           "s_ptr": "*" + dtype, "z_ptr": "*u8", "bias_ptr": "*" + dtype, "out_ptr": "*" + dtype, "part_ptr": "*fp32",
+           "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32"}
+    sig = {**sig, **{name: "constexpr" for name in fn.arg_names if name not in sig}}
+    consts = dict(GROUP=4096 if per_channel else 128, PER_CHANNEL=per_channel, HAS_ZEROS=zeros, HAS_BIAS=True,
+                  IS_SPLIT=split, STAGES=4, num_warps=warps)
+    kernel = compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    ptx = kernel.asm["ptx"]
+    mma = re.findall(r"wgmma.mma_async.sync.aligned.m64n(\\d+)k16.f32.(\\w+).(\\w+) [{][^}]*[}], [{]", ptx)
+    # per K tile: one wgmma per 64 weight rows of each warpgroup, per nibble slice (4) of each 64-input chunk
+    assert len(mma) == (bn // 64) // (warps // 4) * 4 * (bk // 64), (len(mma), consts)
+    assert all(n == str(bm) and a == dtype.replace("fp", "f") for n, a, _ in mma), mma
+    waits = re.findall(r"wgmma.wait_group.sync.aligned (\\d+)", ptx)
+    assert waits.count("1") == 4 * (bk // 64) and waits.count("0") == 1, waits  # one in flight; one drain
+    assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx, "no TMA ring"
+    assert ptx.count("lop3.b32") >= 4 and ("atom" in ptx) == split and kernel.asm["cubin"]
+
+for dtype in ("fp16", "bf16"):
+    check(dtype, 16, 128, 128, 4, False, False, True)
+check("fp16", 64, 256, 128, 8, True, True, False)
+check("fp16", 256, 64, 64, 4, False, True, True)
+print("compiled")
+"""
+
+
+def test_wgmma_kernel_compiles_to_async_register_operand_wgmma_for_sm90() -> None:
+    """What the kernel exists for, on its sm_90 compile (Triton's bundled ptxas, no GPU): register-operand wgmma
+    with the tokens as its N, one mma left in flight per slice (wait_group 1) and a single drain, TMA copies
+    behind mbarriers, the slice PTX assembled; fp16 / bf16, per channel / groups, zero points, split K, 8 warps."""
+    compile_for_sm90(WGMMA_COMPILE)
+
+
+def test_wgmma_configs_are_timed_on_hopper_only() -> None:
+    assert all(c["kernel"] != "wgmma" for m in (8, 64, 256) for c in candidates("w4a16", m, 4096, 4096, 128, True))
+    assert all(c["kernel"] != "wgmma" for c in candidates("w4a16", 64, 4096, 4096, 128, False, True))  # no layout
+    assert all(c["kernel"] != "wgmma" for c in candidates("w4a8", 64, 4096, 4096, 128, True, True))
+    for m in (1, 4):  # decode stays with the gemvs and the swap kernel
+        assert all(c["kernel"] != "wgmma" for c in candidates("w4a16", m, 4096, 4096, 128, True, True))
+    for m, first in ((16, "swap"), (32, "wgmma"), (64, "wgmma"), (256, "wgmma"), (512, "wgmma"), (1024, "dequant_mm")):
+        options = candidates("w4a16", m, 4096, 14336, 128, True, True)
+        assert options[0]["kernel"] == first and any(c["kernel"] == "wgmma" for c in options), m
+        wgmma = [c for c in options if c["kernel"] == "wgmma"]
+        assert all(wgmma_fits(14336, 4096, 128, c["BLOCK_N"], c["BLOCK_K"]) for c in wgmma)
+        assert all(c["BLOCK_M"] <= max(16, m) for c in wgmma)  # wgmma's N never wider than the tokens
+    g64 = [c for c in candidates("w4a16", 64, 4096, 4096, 64, True, True) if c["kernel"] == "wgmma"]
+    assert g64 and all(c["BLOCK_K"] == 64 for c in g64)  # a K tile inside one group
+
+
+def test_tile_rules() -> None:
+    assert wgmma_fits(4096, 4096, 128, 128, 128) and wgmma_fits(4096, 4096, 4096, 256, 256)
+    assert not wgmma_fits(4096, 4096, 4096, 128, 512)  # a 256-byte weight box row: over TMA's swizzle limit
+    assert not wgmma_fits(4096, 4096, 64, 128, 128)  # a K tile across two groups (one scale per tile)
+    assert not wgmma_fits(4096, 4160, 128, 128, 128)  # N not a multiple of the tile
+    assert not wgmma_fits(4000, 4096, 4000, 128, 160)  # K tiles of whole 64-input chunks only
+    x, packed = torch.zeros(16, 4096, dtype=torch.float16), torch.zeros(4160, 1024, dtype=torch.int16)
+    cfg = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4)
+    with pytest.raises(ValueError, match="does not fit N 4160"):
+        w4a16_wgmma_matmul(x, packed, torch.ones(32, 4160, dtype=torch.float16), None, None, 128, cfg)
