@@ -78,6 +78,10 @@ def w4a8_run(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tenso
     from .w4a8 import w4a8_matmul
     from .w4a8_swap import w4a8_swap_matmul
 
+    if cfg["kernel"] == "wgmma":  # Gluon, Hopper only
+        from .w4a8_wgmma import w4a8_wgmma_matmul
+
+        return w4a8_wgmma_matmul(x, swap_weight, channel_scales, group_scales, bias, group_size, cfg)
     if cfg["kernel"] == "swap":
         return w4a8_swap_matmul(x, swap_weight, channel_scales, group_scales, bias, group_size, cfg)
     return w4a8_matmul(x, qweight, channel_scales, group_scales, zeros, bias, group_size, cfg)

@@ -173,33 +173,44 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
                swapped + swap_gemv + firsts + gemv)
     elif swap:  # W4A8 at M = 128..512
         out += swap_candidates(scheme, m, n, k, group)
-    if swap and hopper and scheme == "w4a16":  # it won every M = 64 / 256 cell but three (swap: 4 of 6 at 16)
-        wgmma = wgmma_candidates(m, n, k, group)
-        out = wgmma + out if 32 <= b <= 512 else out + wgmma
+    if swap and hopper:  # W4A16: it won every M = 64 / 256 cell but three (swap: 4 of 6 at 16)
+        wgmma = wgmma_candidates(scheme, m, n, k, group)
+        out = wgmma + out if scheme == "w4a16" and 32 <= b <= 512 else out + wgmma
     if b >= 256:
         big = "dequant_mm" if scheme == "w4a16" else "int_mm"
         out.insert(0 if b >= 1024 else len(out), dict(kernel=big))
     return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm") or _fits(c, k, group)]
 
 
-# The Gluon kernel on the swap layout with asynchronous wgmma (w4a16_wgmma.py), by M bucket: (BM, BN, BK, warps,
-# stages). BM is wgmma's N (the tokens), BN the weight rows (64 per wgmma), BK <= 256 (TMA's 128-byte rows).
-WGMMA_TILES = {  # H200 sweeps: benchmarks/kernels/sweep_wgmma_*_2026-12-04.md (32 and 128: interpolated)
-    16: ((16, 128, 64, 4, 6), (16, 256, 64, 4, 4), (16, 256, 128, 8, 4), (16, 128, 128, 4, 4)),
-    32: ((32, 128, 64, 4, 6), (32, 64, 128, 4, 4), (32, 256, 128, 8, 4)),
-    64: ((64, 64, 128, 4, 4), (64, 128, 64, 4, 6), (64, 256, 128, 8, 3), (64, 256, 64, 4, 4)),
-    128: ((128, 128, 64, 4, 3), (64, 128, 64, 4, 6), (64, 256, 128, 8, 3)),
-    256: ((256, 64, 64, 4, 3), (128, 128, 64, 4, 3), (256, 128, 64, 8, 3)),
+# The Gluon kernels on the swap layouts with asynchronous wgmma (w4a16_wgmma.py, w4a8_wgmma.py), by M bucket:
+# (BM, BN, BK, warps, stages). BM is wgmma's N (the tokens), BN the weight rows (64 per warpgroup), BK <= 256 (TMA's
+# 128-byte rows). W4A16: the H200 sweeps' winners (benchmarks/kernels/sweep_wgmma_*_2026-12-04.md; 32 and 128
+# interpolated); W4A8: BK 128 (a K tile inside a QQQ group of 128).
+WGMMA_TILES = {
+    "w4a16": {
+        16: ((16, 128, 64, 4, 6), (16, 256, 64, 4, 4), (16, 256, 128, 8, 4), (16, 128, 128, 4, 4)),
+        32: ((32, 128, 64, 4, 6), (32, 64, 128, 4, 4), (32, 256, 128, 8, 4)),
+        64: ((64, 64, 128, 4, 4), (64, 128, 64, 4, 6), (64, 256, 128, 8, 3), (64, 256, 64, 4, 4)),
+        128: ((128, 128, 64, 4, 3), (64, 128, 64, 4, 6), (64, 256, 128, 8, 3)),
+        256: ((256, 64, 64, 4, 3), (128, 128, 64, 4, 3), (256, 128, 64, 8, 3)),
+    },
+    "w4a8": {
+        16: ((16, 128, 128, 4, 4), (16, 256, 128, 4, 4), (16, 128, 128, 4, 6), (16, 256, 128, 8, 4)),
+        32: ((32, 128, 128, 4, 4), (32, 256, 128, 8, 4)),
+        64: ((64, 128, 128, 4, 4), (64, 256, 128, 4, 4), (64, 256, 128, 8, 3), (64, 64, 128, 4, 4)),
+        128: ((128, 128, 128, 4, 3), (64, 256, 128, 8, 3), (128, 64, 128, 4, 4)),
+        256: ((128, 128, 128, 4, 3), (128, 64, 128, 4, 4), (64, 256, 128, 8, 3)),  # int8 wgmma: N <= 224
+    },
 }
 
 
-def wgmma_candidates(m: int, n: int, k: int, group: int) -> list[dict]:
-    """The Gluon wgmma kernel's configs that fit the layer (M >= 8), at the heuristic split and half of it."""
+def wgmma_candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
+    """The Gluon wgmma kernels' configs that fit the layer (M >= 8), at the heuristic split, a half and a quarter."""
     from .w4a16_wgmma import wgmma_fits
 
     b = m_bucket(m)
     out = []
-    for bm, bn, bk, warps, stages in WGMMA_TILES[min(max(b, 16), 256)] if b >= 8 else ():
+    for bm, bn, bk, warps, stages in WGMMA_TILES[scheme][min(max(b, 16), 256)] if b >= 8 else ():
         bk = bk if group == k else min(bk, group)
         if wgmma_fits(k, n, group, bn, bk):
             cfg = _tile("wgmma", bm, bn, bk, warps, stages, m, n, k)
@@ -209,7 +220,7 @@ def wgmma_candidates(m: int, n: int, k: int, group: int) -> list[dict]:
 
 @functools.cache
 def hopper_gluon(device: torch.device) -> bool:
-    """Whether the Gluon wgmma kernel can run here: an sm_90 GPU and a Triton with Gluon's Hopper module."""
+    """Whether the Gluon wgmma kernels can run here: an sm_90 GPU and a Triton with Gluon's Hopper module."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return False
     try:

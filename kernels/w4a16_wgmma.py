@@ -55,10 +55,12 @@ def _slice_q8(h, j: gl.constexpr, FP16: gl.constexpr):
 
 @gluon.jit
 def _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, stage, off_n, off_m, k0, pred, CHUNKS: gl.constexpr):
-    """TMA of one K tile (weight + x) into ring stage `stage`, signalled on its barrier."""
+    """TMA of one K tile (weight + x) into ring stage `stage`, signalled on its barrier. The weight box's row holds
+    the tile's CHUNKS * 64 inputs packed (W4A16: 4 per int16, W4A8: 2 per int8)."""
     bar = bars.index(stage)
     mbarrier.expect(bar, w_desc.block_type.nbytes + CHUNKS * x_desc.block_type.nbytes, pred=pred)
-    _tma_load(w_desc, [off_n, k0 // 4], bar, w_smem.index(stage), pred=pred)
+    per_element: gl.constexpr = CHUNKS * _CHUNK // w_desc.block_type.shape[1]
+    _tma_load(w_desc, [off_n, k0 // per_element], bar, w_smem.index(stage), pred=pred)
     for c in gl.static_range(CHUNKS):
         _tma_load(x_desc, [off_m, k0 + _CHUNK * c], bar, x_smem.index(stage * CHUNKS + c),
                                         pred=pred)
@@ -141,18 +143,30 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
+    _store_tile(acc, out_ptr, part_ptr, count_ptr, bias_ptr, s_ptr, s_ptr, M, N, off_n, off_m, pid_k, SPLIT_K, 1.0,
+                IS_SPLIT, HAS_BIAS, PER_CHANNEL, False, BLOCK_N, BLOCK_M, num_warps)
+
+
+@gluon.jit
+def _store_tile(acc, out_ptr, part_ptr, count_ptr, bias_ptr, row_scale_ptr, col_scale_ptr, M, N, off_n, off_m, pid_k,
+                SPLIT_K, factor, IS_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, ROW_SCALE: gl.constexpr,
+                COL_SCALE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] (out^T) -> out [M, N]: times factor and the row (weight row) / column (token) scales
+    if asked, split-K partials summed by the tile's last program in split order, bias, cast."""
     out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])  # n fastest: coalesced
-    acc = gl.convert_layout(acc, out_layout)
+    acc = gl.convert_layout(acc.to(gl.float32), out_layout) * factor
     on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
     om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
-    if PER_CHANNEL:
-        acc = acc * gl.expand_dims(gl.load(s_ptr + on).to(gl.float32), 1)
+    if ROW_SCALE:
+        acc = acc * gl.expand_dims(gl.load(row_scale_ptr + on).to(gl.float32), 1)
+    if COL_SCALE:
+        acc = acc * gl.expand_dims(gl.load(col_scale_ptr + om, mask=om < M, other=0.0).to(gl.float32), 0)
     idx = gl.expand_dims(om, 0) * N + gl.expand_dims(on, 1)
     mask = gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1)
     if IS_SPLIT:
         gl.store(part_ptr + pid_k * M * N + idx, acc, mask=mask)
         _cta_barrier()  # every thread's partial is written before the release below
-        tile = pid_m * gl.num_programs(0) + pid_n
+        tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
         if gl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
             acc = gl.zeros_like(acc)
             for sk in range(SPLIT_K):  # .cg: the other SMs' partials from L2, never a stale L1 line
@@ -178,9 +192,10 @@ def wgmma_fits(k: int, n: int, group_size: int, block_n: int, block_k: int) -> b
             and (per_channel or group_size % block_k == 0))
 
 
-def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor of t (2D, row-major) with boxes of `block`, in the swizzled layout wgmma reads."""
     layout = gl.NVMMASharedLayout.get_default_for(block, {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16,
-                                                         torch.int16: gl.int16}[t.dtype])
+                                                         torch.int16: gl.int16, torch.int8: gl.int8}[t.dtype])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
@@ -198,7 +213,7 @@ def w4a16_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part, counters = split_buffers(split, m, n, grid[0] * grid[1], x.device) if split > 1 else (out, out)
     _w4a16_wgmma_kernel[grid](
-        _descriptor(x, [block_m, CHUNK]), _descriptor(packed, [block_n, block_k // 4]), scales,
+        descriptor(x, [block_m, CHUNK]), descriptor(packed, [block_n, block_k // 4]), scales,
         zeros if zeros is not None else scales, bias if bias is not None else scales, out, part, counters, m, n, k,
         GROUP=group_size, PER_CHANNEL=group_size == k, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
         SPLIT_K=split, IS_SPLIT=split > 1, STAGES=config["num_stages"], num_warps=config["num_warps"])

@@ -1,6 +1,6 @@
-"""The Gluon W4A16 kernel (kernels/w4a16_wgmma.py). Gluon has no CPU interpreter: its results were checked against
-float64 on the H200 (bench_kernels.py --check-swap and every swept config, NaN-poisoned outputs; see
-benchmarks/KERNELS.md). Here: the sm_90 compile shows the pipeline it exists for, and the tuner and shape rules."""
+"""The Gluon kernels (kernels/w4a16_wgmma.py, kernels/w4a8_wgmma.py). Gluon has no CPU interpreter: their results
+were checked against float64 on the H200 (bench_kernels.py --check-swap and every swept config, NaN-poisoned outputs;
+see benchmarks/KERNELS.md). Here: the sm_90 compile shows the pipeline they exist for, and the tuner and shape rules."""
 
 from __future__ import annotations
 
@@ -43,21 +43,47 @@ for dtype in ("fp16", "bf16"):
     check(dtype, 16, 128, 128, 4, False, False, True)
 check("fp16", 64, 256, 128, 8, True, True, False)
 check("fp16", 256, 64, 64, 4, False, True, True)
+
+from quantkit.kernels.w4a8_wgmma import _w4a8_wgmma_kernel as fn8
+
+def check8(bm, bn, warps, two_level, split):
+    x_layout = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.int8)
+    w_layout = gl.NVMMASharedLayout.get_default_for([bn, 64], gl.int8)
+    sig = {"x_desc": f"tensordesc<i8[{bm}, 64],{x_layout!r}>", "w_desc": f"tensordesc<i8[{bn}, 64],{w_layout!r}>",
+           "ts_ptr": "*fp32", "cs_ptr": "*fp32", "gs_ptr": "*fp16", "bias_ptr": "*fp16", "out_ptr": "*fp16",
+           "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32"}
+    sig = {**sig, **{name: "constexpr" for name in fn8.arg_names if name not in sig}}
+    consts = dict(GROUP=128, TWO_LEVEL=two_level, HAS_BIAS=True, IS_SPLIT=split, STAGES=4, num_warps=warps)
+    kernel = compile(GluonASTSource(fn8, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    ptx = kernel.asm["ptx"]
+    mma = re.findall(r"wgmma.mma_async.sync.aligned.m64n(\\d+)k32.s32.s8.s8 [{][^}]*[}], [{]", ptx)
+    assert len(mma) == (bn // 64) // (warps // 4) * 4 and set(mma) == {str(bm)}, (mma, consts)  # BLOCK_K 128
+    waits = re.findall(r"wgmma.wait_group.sync.aligned (\\d+)", ptx)
+    # one in flight per slice; two-level: each K tile's int32 tile drained for its group multiplier
+    assert waits.count("1") == 4 and waits.count("0") == (2 if two_level else 1), waits
+    assert "cp.async.bulk.tensor" in ptx and "and.b32" in ptx and ("atom" in ptx) == split and kernel.asm["cubin"]
+
+check8(16, 128, 4, True, True)
+check8(64, 256, 8, False, False)
 print("compiled")
 """
 
 
-def test_wgmma_kernel_compiles_to_async_register_operand_wgmma_for_sm90() -> None:
-    """What the kernel exists for, on its sm_90 compile (Triton's bundled ptxas, no GPU): register-operand wgmma
-    with the tokens as its N, one mma left in flight per slice (wait_group 1) and a single drain, TMA copies
-    behind mbarriers, the slice PTX assembled; fp16 / bf16, per channel / groups, zero points, split K, 8 warps."""
+def test_wgmma_kernels_compile_to_async_register_operand_wgmma_for_sm90() -> None:
+    """What the kernels exist for, on their sm_90 compile (Triton's bundled ptxas, no GPU): register-operand wgmma
+    with the tokens as its N, one mma left in flight per slice (wait_group 1) and a single drain (W4A8 two-level: one
+    per K tile), TMA copies behind mbarriers, the slice PTX assembled; W4A16 fp16 / bf16, per channel / groups, zero
+    points, split K, 8 warps; W4A8 int8 two-level / per channel."""
     compile_for_sm90(WGMMA_COMPILE)
 
 
 def test_wgmma_configs_are_timed_on_hopper_only() -> None:
     assert all(c["kernel"] != "wgmma" for m in (8, 64, 256) for c in candidates("w4a16", m, 4096, 4096, 128, True))
     assert all(c["kernel"] != "wgmma" for c in candidates("w4a16", 64, 4096, 4096, 128, False, True))  # no layout
-    assert all(c["kernel"] != "wgmma" for c in candidates("w4a8", 64, 4096, 4096, 128, True, True))
+    w4a8 = candidates("w4a8", 64, 4096, 4096, 128, True, True)  # W4A8: timed after the swap kernel
+    assert w4a8[0]["kernel"] == "swap" and {c["BLOCK_K"] for c in w4a8 if c["kernel"] == "wgmma"} == {128}
+    assert all(c["BLOCK_M"] <= 224 for m in (256, 512) for c in candidates("w4a8", m, 4096, 4096, 128, True, True)
+               if c["kernel"] == "wgmma")  # int8 wgmma's N
     for m in (1, 4):  # decode stays with the gemvs and the swap kernel
         assert all(c["kernel"] != "wgmma" for c in candidates("w4a16", m, 4096, 4096, 128, True, True))
     for m, first in ((16, "swap"), (32, "wgmma"), (64, "wgmma"), (256, "wgmma"), (512, "wgmma"), (1024, "dequant_mm")):
