@@ -67,6 +67,23 @@ def _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, stage, off_n, off_m, k0, p
 
 
 @gluon.jit
+def _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, K, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """The TMA ring's shared memory and barriers, its first STAGES - 1 K tiles issued: (weight stages, x stages,
+    barriers, this program's number of K tiles: pid_k, pid_k + SPLIT_K, ...)."""
+    CHUNKS: gl.constexpr = BLOCK_K // _CHUNK
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * CHUNKS] + x_desc.block_type.shape, x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    n_tiles = (K // BLOCK_K - pid_k + SPLIT_K - 1) // SPLIT_K
+    for i in gl.static_range(STAGES - 1):
+        _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, i, off_n, off_m, (pid_k + i * SPLIT_K) * BLOCK_K,
+                    i < n_tiles, CHUNKS)
+    return w_smem, x_smem, bars, n_tiles
+
+
+@gluon.jit
 def _row_params(s_ptr, z_ptr, k0, N, offs_n, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, dtype: gl.constexpr):
     """A K tile's group scales and zero points minus 8, [BLOCK_N, 1] in the weight operand's layout."""
     g = k0 // GROUP
@@ -94,16 +111,7 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
 
-    w_smem = gl.allocate_shared_memory(gl.int16, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    x_smem = gl.allocate_shared_memory(dtype, [STAGES * CHUNKS] + x_desc.block_type.shape, x_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-
-    n_tiles = (K // BLOCK_K - pid_k + SPLIT_K - 1) // SPLIT_K  # this program's K tiles: pid_k, pid_k + SPLIT_K, ...
-    for i in gl.static_range(STAGES - 1):
-        _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, i, off_n, off_m, (pid_k + i * SPLIT_K) * BLOCK_K,
-                    i < n_tiles, CHUNKS)
+    w_smem, x_smem, bars, n_tiles = _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, K, BLOCK_K, STAGES)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
     a_prev = gl.zeros([BLOCK_N, 16], dtype, a_layout)

@@ -22,7 +22,7 @@ from .w4a8 import quantize_rows
 from .w4a8_swap import _HIGH, _LOW, MAX_K
 from .w4a16 import split_buffers
 from .w4a16_swap import _CHUNK, CHUNK
-from .w4a16_wgmma import _cta_barrier, _issue_tile, _store_tile, descriptor, wgmma_fits
+from .w4a16_wgmma import _cta_barrier, _issue_tile, _start_ring, _store_tile, descriptor, wgmma_fits
 
 
 @gluon.jit
@@ -47,16 +47,7 @@ def _w4a8_wgmma_kernel(x_desc, w_desc, ts_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
 
-    w_smem = gl.allocate_shared_memory(gl.int8, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    x_smem = gl.allocate_shared_memory(gl.int8, [STAGES * CHUNKS] + x_desc.block_type.shape, x_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-
-    n_tiles = (K // BLOCK_K - pid_k + SPLIT_K - 1) // SPLIT_K
-    for i in gl.static_range(STAGES - 1):
-        _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, i, off_n, off_m, (pid_k + i * SPLIT_K) * BLOCK_K,
-                    i < n_tiles, CHUNKS)
+    w_smem, x_smem, bars, n_tiles = _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, K, BLOCK_K, STAGES)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, acc_layout)
     tile = acc
