@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from quantkit.kernels.autotune import candidates
+from quantkit.kernels.w4a8_wgmma import w4a8_wgmma_matmul
 from quantkit.kernels.w4a16_wgmma import w4a16_wgmma_matmul, wgmma_fits
 from test_kernels_w4a16 import compile_for_sm90
 
@@ -106,3 +107,6 @@ def test_tile_rules() -> None:
     cfg = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4)
     with pytest.raises(ValueError, match="does not fit N 4160"):
         w4a16_wgmma_matmul(x, packed, torch.ones(32, 4160, dtype=torch.float16), None, None, 128, cfg)
+    packed8, channel = torch.zeros(4160, 2048, dtype=torch.int8), torch.ones(4160)
+    with pytest.raises(ValueError, match="does not fit N 4160"):  # before the activations are quantized
+        w4a8_wgmma_matmul(x, packed8, channel, torch.ones(32, 4160, dtype=torch.float16), None, 128, cfg)
