@@ -122,7 +122,7 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
     """Configs worth timing for this problem, the heuristic default first. scheme: 'w4a16' or 'w4a8'.
     swap: the layer has a swap kernel's weight layout (w4a16_swap; w4a8_swap for symmetric weights): its
     configs lead from M = 2 to 64 (and join W4A8's timed candidates at M = 128..512). hopper: the Gluon
-    wgmma kernel (W4A16 on the swap layout, M >= 8) can run, its configs are timed too."""
+    wgmma kernels (on the swap layouts, M >= 8) can run: their configs are timed too (W4A16's lead at M = 32..512)."""
     b = m_bucket(m)
     out: list[dict] = []
     bk_min = 32 if scheme == "w4a16" else 64  # int8 dot needs K >= 32 per instruction; 64 keeps it fed
