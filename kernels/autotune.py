@@ -188,6 +188,7 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
 # interpolated); W4A8: BK 128 (a K tile inside a QQQ group of 128).
 WGMMA_TILES = {
     "w4a16": {
+        8: ((8, 128, 128, 4, 4), (8, 256, 128, 8, 4), (8, 128, 64, 4, 6), (8, 64, 128, 4, 6)),
         16: ((16, 128, 64, 4, 6), (16, 256, 64, 4, 4), (16, 256, 128, 8, 4), (16, 128, 128, 4, 4)),
         32: ((32, 128, 64, 4, 6), (32, 64, 128, 4, 4), (32, 256, 128, 8, 4)),
         64: ((64, 64, 128, 4, 4), (64, 128, 64, 4, 6), (64, 256, 128, 8, 3), (64, 256, 64, 4, 4)),
@@ -195,6 +196,7 @@ WGMMA_TILES = {
         256: ((256, 64, 64, 4, 3), (128, 128, 64, 4, 3), (256, 128, 64, 8, 3)),
     },
     "w4a8": {
+        8: ((8, 128, 128, 4, 4), (8, 256, 128, 8, 4), (8, 64, 128, 4, 6)),
         16: ((16, 128, 128, 4, 4), (16, 256, 128, 4, 4), (16, 128, 128, 4, 6), (16, 256, 128, 8, 4)),
         32: ((32, 128, 128, 4, 4), (32, 256, 128, 8, 4)),
         64: ((64, 128, 128, 4, 4), (64, 256, 128, 4, 4), (64, 256, 128, 8, 3), (64, 64, 128, 4, 4)),
@@ -205,16 +207,17 @@ WGMMA_TILES = {
 
 
 def wgmma_candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
-    """The Gluon wgmma kernels' configs that fit the layer (M >= 8), at the heuristic split, a half and a quarter."""
-    from .w4a16_wgmma import wgmma_fits
+    """The Gluon wgmma kernels' configs that fit the layer, at the heuristic split, a half and a quarter (each the
+    largest that gives every unit the same number of K tiles, see wgmma_split)."""
+    from .w4a16_wgmma import wgmma_fits, wgmma_split
 
-    b = m_bucket(m)
     out = []
-    for bm, bn, bk, warps, stages in WGMMA_TILES[scheme][min(max(b, 16), 256)] if b >= 8 else ():
+    for bm, bn, bk, warps, stages in WGMMA_TILES[scheme][min(max(m_bucket(m), 8), 256)]:
         bk = bk if group == k else min(bk, group)
         if wgmma_fits(k, n, group, bn, bk):
             cfg = _tile("wgmma", bm, bn, bk, warps, stages, m, n, k)
-            out += [{**cfg, "SPLIT_K": max(1, cfg["SPLIT_K"] // d)} for d in (1, 2, 4)]
+            splits = [wgmma_split(k, bk, max(1, cfg["SPLIT_K"] // d), stages) for d in (1, 2, 4)]
+            out += [{**cfg, "SPLIT_K": s} for s in splits if s]
     return list({str(c): c for c in out}.values())
 
 

@@ -67,20 +67,37 @@ def _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, stage, off_n, off_m, k0, p
 
 
 @gluon.jit
-def _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, K, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    """The TMA ring's shared memory and barriers, its first STAGES - 1 K tiles issued: (weight stages, x stages,
-    barriers, this program's number of K tiles: pid_k, pid_k + SPLIT_K, ...)."""
+def _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """The TMA ring's shared memory and barriers, the first unit's first STAGES - 1 K tiles issued (a unit has at
+    least that many): (weight stages, x stages, barriers)."""
     CHUNKS: gl.constexpr = BLOCK_K // _CHUNK
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * CHUNKS] + x_desc.block_type.shape, x_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
-    n_tiles = (K // BLOCK_K - pid_k + SPLIT_K - 1) // SPLIT_K
     for i in gl.static_range(STAGES - 1):
-        _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, i, off_n, off_m, (pid_k + i * SPLIT_K) * BLOCK_K,
-                    i < n_tiles, CHUNKS)
-    return w_smem, x_smem, bars, n_tiles
+        _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, i, off_n, off_m, (pid_k + i * SPLIT_K) * BLOCK_K, True,
+                    CHUNKS)
+    return w_smem, x_smem, bars
+
+
+@gluon.jit
+def _unit(u, units, grid_n, grid_m, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Work unit u (clamped to the last) -> (off_n, off_m, pid_k, output tile): n fastest, so the programs running
+    together share x's tile and K range."""
+    u = gl.minimum(u, units - 1)
+    pid_n, pid_m = u % grid_n, (u // grid_n) % grid_m
+    return pid_n * BLOCK_N, pid_m * BLOCK_M, u // (grid_n * grid_m), pid_m * grid_n + pid_n
+
+
+@gluon.jit
+def _ahead(kt, ahead: gl.constexpr, tiles, here, there):
+    """Iteration `ahead` after this unit's K tile kt: the same unit's tile kt + ahead, or the next unit's
+    (here / there: a unit's (off_n, off_m, pid_k)); a unit has at least `ahead` tiles. -> (off_n, off_m, pid_k, kt)."""
+    same = kt + ahead < tiles
+    return (gl.where(same, here[0], there[0]), gl.where(same, here[1], there[1]), gl.where(same, here[2], there[2]),
+            gl.where(same, kt + ahead, kt + ahead - tiles))
 
 
 @gluon.jit
@@ -103,65 +120,76 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     CHUNKS: gl.constexpr = BLOCK_K // _CHUNK
     dtype: gl.constexpr = x_desc.dtype
     FP16: gl.constexpr = dtype == gl.float16
-    pid_n, pid_m, pid_k = gl.program_id(0), gl.program_id(1), gl.program_id(2)
-    off_n, off_m = pid_n * BLOCK_N, pid_m * BLOCK_M
-
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
 
-    w_smem, x_smem, bars, n_tiles = _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, K, BLOCK_K, STAGES)
-
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
+    # program p takes the units (output tile, K split) p, p + programs, ..., its TMA ring running on across them
+    # (the next unit's tiles load during this one's last mmas and epilogue). Launched with one program per unit:
+    # persistent grids of 1 or 2 programs per SM measured no faster on the H200 (sweep_wgmma_persistent_2026-12-04)
+    pid, programs = gl.program_id(0), gl.num_programs(0)
+    grid_n, grid_m = N // BLOCK_N, gl.cdiv(M, BLOCK_M)
+    units, tiles = grid_n * grid_m * SPLIT_K, K // BLOCK_K // SPLIT_K
+    off_n, off_m, pid_k, out_tile = _unit(pid, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
+    w_smem, x_smem, bars = _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K, STAGES)
+    s, zc = _row_params(s_ptr, z_ptr, pid_k * BLOCK_K, N, off_n + rows, GROUP, HAS_ZEROS, dtype)
     a_prev = gl.zeros([BLOCK_N, 16], dtype, a_layout)
-    if PER_CHANNEL:
-        s, zc = _row_params(s_ptr, z_ptr, 0, N, offs_n, GROUP, HAS_ZEROS, dtype)
-    else:
-        s, zc = _row_params(s_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, GROUP, HAS_ZEROS, dtype)
-    for i in range(n_tiles):
-        stage = i % STAGES
-        if not PER_CHANNEL:  # the next tile's scales go out now (the last tile re-reads its own)
-            k_next = (pid_k + gl.minimum(i + 1, n_tiles - 1) * SPLIT_K) * BLOCK_K
-            s_next, zc_next = _row_params(s_ptr, z_ptr, k_next, N, offs_n, GROUP, HAS_ZEROS, dtype)
-        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-        for c in gl.static_range(CHUNKS):
-            h = w_smem.index(stage).slice(16 * c, 16, dim=1).load(a_layout)
-            for j in gl.static_range(4):
-                a = _slice_q8(h, j, FP16)
-                if HAS_ZEROS:
-                    a = a - zc
-                if not PER_CHANNEL:
-                    a = a * s
-                b = x_smem.index(stage * CHUNKS + c).slice(16 * j, 16, dim=1).permute((1, 0))
-                acc = warpgroup_mma(a, b, acc, is_async=True)
-                acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
-                a_prev = a
-                if c == 0 and j == 0:
-                    # every mma of tile i - 1 is done (two warpgroups: in both, hence the barrier), so its
-                    # stage takes tile i + STAGES - 1
-                    if num_warps > 4:
-                        _cta_barrier()
-                    nxt = i + STAGES - 1
-                    _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, nxt % STAGES, off_n, off_m,
-                                (pid_k + nxt * SPLIT_K) * BLOCK_K, nxt < n_tiles, CHUNKS)
-        if not PER_CHANNEL:
+    f = 0  # this program's K tiles so far: the ring position
+    for u in range(pid, units, programs):
+        off_n, off_m, pid_k, out_tile = _unit(u, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
+        nxt_n, nxt_m, nxt_k, _ = _unit(u + programs, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
+        more = u + programs < units
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
+        for kt in range(tiles):
+            stage = f % STAGES
+            # the next iteration's scales go out now (after the last unit's last tile: re-read)
+            sn, _, sk, skt = _ahead(kt, 1, tiles, (off_n, off_m, pid_k), (nxt_n, nxt_m, nxt_k))
+            s_next, zc_next = _row_params(s_ptr, z_ptr, (sk + skt * SPLIT_K) * BLOCK_K, N, sn + rows, GROUP,
+                                          HAS_ZEROS, dtype)
+            mbarrier.wait(bars.index(stage), (f // STAGES) & 1)
+            for c in gl.static_range(CHUNKS):
+                h = w_smem.index(stage).slice(16 * c, 16, dim=1).load(a_layout)
+                for j in gl.static_range(4):
+                    a = _slice_q8(h, j, FP16)
+                    if HAS_ZEROS:
+                        a = a - zc
+                    if not PER_CHANNEL:
+                        a = a * s
+                    b = x_smem.index(stage * CHUNKS + c).slice(16 * j, 16, dim=1).permute((1, 0))
+                    acc = warpgroup_mma(a, b, acc, is_async=True)
+                    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+                    a_prev = a
+                    if c == 0 and j == 0:
+                        # every mma of the previous iteration is done (two warpgroups: in both, hence the
+                        # barrier), so its stage takes iteration f + STAGES - 1
+                        if num_warps > 4:
+                            _cta_barrier()
+                        n_, m_, k_, kt_ = _ahead(kt, STAGES - 1, tiles, (off_n, off_m, pid_k), (nxt_n, nxt_m, nxt_k))
+                        _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, (f + STAGES - 1) % STAGES, n_, m_,
+                                    (k_ + kt_ * SPLIT_K) * BLOCK_K, more | (kt + STAGES - 1 < tiles), CHUNKS)
             s, zc = s_next, zc_next
-    acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+            f += 1
+        acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+        _store_tile(acc, out_ptr, part_ptr, count_ptr, bias_ptr, s_ptr, s_ptr, M, N, off_n, off_m, pid_k, out_tile,
+                    SPLIT_K, 1.0, IS_SPLIT, HAS_BIAS, PER_CHANNEL, False, BLOCK_N, BLOCK_M, num_warps)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-
-    _store_tile(acc, out_ptr, part_ptr, count_ptr, bias_ptr, s_ptr, s_ptr, M, N, off_n, off_m, pid_k, SPLIT_K, 1.0,
-                IS_SPLIT, HAS_BIAS, PER_CHANNEL, False, BLOCK_N, BLOCK_M, num_warps)
 
 
 @gluon.jit
 def _store_tile(acc, out_ptr, part_ptr, count_ptr, bias_ptr, row_scale_ptr, col_scale_ptr, M, N, off_n, off_m, pid_k,
-                SPLIT_K, factor, IS_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, ROW_SCALE: gl.constexpr,
+                out_tile, SPLIT_K, factor, IS_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, ROW_SCALE: gl.constexpr,
                 COL_SCALE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
     """acc [BLOCK_N, BLOCK_M] (out^T) -> out [M, N]: times factor and the row (weight row) / column (token) scales
     if asked, split-K partials summed by the tile's last program in split order, bias, cast."""
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])  # n fastest: coalesced
+    # n fastest: coalesced. From 64 tokens, 8 consecutive n per thread and warps along m: one address per 8 outputs
+    # instead of one each (the compiler hoists them out of the unit loop: they would stay live through it)
+    TN: gl.constexpr = 32 if BLOCK_N >= 256 else BLOCK_N // 8
+    if BLOCK_M >= 64:
+        out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [TN, 32 // TN], [1, num_warps], [0, 1])
+    else:
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
     acc = gl.convert_layout(acc.to(gl.float32), out_layout) * factor
     on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
     om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
@@ -174,12 +202,11 @@ def _store_tile(acc, out_ptr, part_ptr, count_ptr, bias_ptr, row_scale_ptr, col_
     if IS_SPLIT:
         gl.store(part_ptr + pid_k * M * N + idx, acc, mask=mask)
         _cta_barrier()  # every thread's partial is written before the release below
-        tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
-        if gl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+        if gl.atomic_add(count_ptr + out_tile, 1, sem="acq_rel") == SPLIT_K - 1:
             acc = gl.zeros_like(acc)
             for sk in range(SPLIT_K):  # .cg: the other SMs' partials from L2, never a stale L1 line
                 acc += gl.load(part_ptr + sk * M * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
-            gl.atomic_xchg(count_ptr + tile, 0)
+            gl.atomic_xchg(count_ptr + out_tile, 0)
             _store_final(acc, out_ptr, bias_ptr, on, idx, mask, HAS_BIAS)
     else:
         _store_final(acc, out_ptr, bias_ptr, on, idx, mask, HAS_BIAS)
@@ -200,6 +227,24 @@ def wgmma_fits(k: int, n: int, group_size: int, block_n: int, block_k: int) -> b
             and (per_channel or group_size % block_k == 0))
 
 
+def wgmma_split(k: int, block_k: int, split: int, stages: int) -> int:
+    """The largest K split up to `split` that gives every unit the same number of K tiles, at least STAGES - 1 (the
+    ring's lookahead stays within the next unit); 0 if none."""
+    tiles = k // block_k
+    return max((s for s in range(1, split + 1) if tiles % s == 0 and tiles // s >= stages - 1), default=0)
+
+
+def launch_grid(m: int, n: int, k: int, group_size: int, config: dict) -> tuple[int, int]:
+    """(programs, output tiles) of a Gluon kernel's launch, one program per unit (an output tile's K split), after
+    checking that the config fits the layer."""
+    block_n, block_k, split = config["BLOCK_N"], config["BLOCK_K"], config["SPLIT_K"]
+    if not wgmma_fits(k, n, group_size, block_n, block_k) or wgmma_split(k, block_k, split, config["num_stages"]) != split:
+        raise ValueError(f"wgmma kernel: tile {block_n} x {block_k}, split {split}, {config['num_stages']} stages "
+                         f"does not fit N {n}, K {k}, group {group_size}")
+    tiles = n // block_n * triton.cdiv(m, config["BLOCK_M"])
+    return tiles * split, tiles
+
+
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A TMA descriptor of t (2D, row-major) with boxes of `block`, in the swizzled layout wgmma reads."""
     layout = gl.NVMMASharedLayout.get_default_for(block, {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16,
@@ -213,14 +258,12 @@ def w4a16_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     m, k = x.shape
     n = packed.shape[0]
     split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    if not wgmma_fits(k, n, group_size, block_n, block_k):
-        raise ValueError(f"wgmma kernel: tile {block_n} x {block_k} does not fit N {n}, K {k}, group {group_size}")
+    programs, tiles = launch_grid(m, n, k, group_size, config)
     if x.data_ptr() % 16 or not x.is_contiguous():  # TMA reads 16-byte aligned rows
         x = x.contiguous().clone()
-    grid = (n // block_n, triton.cdiv(m, block_m), split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    part, counters = split_buffers(split, m, n, grid[0] * grid[1], x.device) if split > 1 else (out, out)
-    _w4a16_wgmma_kernel[grid](
+    part, counters = split_buffers(split, m, n, tiles, x.device) if split > 1 else (out, out)
+    _w4a16_wgmma_kernel[(programs,)](
         descriptor(x, [block_m, CHUNK]), descriptor(packed, [block_n, block_k // 4]), scales,
         zeros if zeros is not None else scales, bias if bias is not None else scales, out, part, counters, m, n, k,
         GROUP=group_size, PER_CHANNEL=group_size == k, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,

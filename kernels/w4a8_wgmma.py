@@ -13,7 +13,6 @@ per four weights). Per-token int8 activations come from w4a8.quantize_rows; x's 
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
@@ -22,7 +21,16 @@ from .w4a8 import quantize_rows
 from .w4a8_swap import _HIGH, _LOW, MAX_K
 from .w4a16 import split_buffers
 from .w4a16_swap import _CHUNK, CHUNK
-from .w4a16_wgmma import _cta_barrier, _issue_tile, _start_ring, _store_tile, descriptor, wgmma_fits
+from .w4a16_wgmma import (
+    _ahead,
+    _cta_barrier,
+    _issue_tile,
+    _start_ring,
+    _store_tile,
+    _unit,
+    descriptor,
+    launch_grid,
+)
 
 
 @gluon.jit
@@ -39,50 +47,58 @@ def _w4a8_wgmma_kernel(x_desc, w_desc, ts_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = 2 * w_desc.block_type.shape[1]
     CHUNKS: gl.constexpr = BLOCK_K // _CHUNK
-    pid_n, pid_m, pid_k = gl.program_id(0), gl.program_id(1), gl.program_id(2)
-    off_n, off_m = pid_n * BLOCK_N, pid_m * BLOCK_M
-
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 32])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
-    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
 
-    w_smem, x_smem, bars, n_tiles = _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, K, BLOCK_K, STAGES)
-
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, acc_layout)
-    tile = acc
-    for i in range(n_tiles):
-        stage = i % STAGES
-        if TWO_LEVEL:  # this tile's integer group multipliers, loaded before the data wait
-            k = gl.load(gs_ptr + ((pid_k + i * SPLIT_K) * BLOCK_K // GROUP) * N + offs_n).to(gl.int32)
-        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-        for c in gl.static_range(CHUNKS):
-            b8 = w_smem.index(stage).slice(32 * c, 32, dim=1).load(a_layout)
-            for j in gl.static_range(2):
-                a = _slice_x16(b8, j)
-                xt = x_smem.index(stage * CHUNKS + c).slice(32 * j, 32, dim=1).permute((1, 0))
-                # (int8 registers cannot be threaded through the wait in Triton 3.6; ptxas keeps an in-flight
-                # wgmma's registers live, which it reports when it has to serialize: it does not here)
-                if TWO_LEVEL:
-                    tile = warpgroup_mma(a, xt, tile, use_acc=c + j > 0, is_async=True)
-                    tile = warpgroup_mma_wait(num_outstanding=1, deps=(tile,))
-                else:
-                    acc = warpgroup_mma(a, xt, acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                if c == 0 and j == 0:  # tile i - 1's mmas are done: its stage takes tile i + STAGES - 1
-                    if num_warps > 4:
-                        _cta_barrier()
-                    nxt = i + STAGES - 1
-                    _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, nxt % STAGES, off_n, off_m,
-                                (pid_k + nxt * SPLIT_K) * BLOCK_K, nxt < n_tiles, CHUNKS)
-        if TWO_LEVEL:  # 16 (q - 8) . x is divisible by 16: shifted back exactly, times the group's multiplier
-            tile = warpgroup_mma_wait(num_outstanding=0, deps=(tile,))
-            acc += (tile >> 4) * gl.expand_dims(k, 1)
-    acc, tile = warpgroup_mma_wait(num_outstanding=0, deps=(acc, tile))
+    pid, programs = gl.program_id(0), gl.num_programs(0)  # units as in w4a16_wgmma.py
+    grid_n, grid_m = N // BLOCK_N, gl.cdiv(M, BLOCK_M)
+    units, tiles = grid_n * grid_m * SPLIT_K, K // BLOCK_K // SPLIT_K
+    off_n, off_m, pid_k, out_tile = _unit(pid, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
+    w_smem, x_smem, bars = _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K, STAGES)
+    tile = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, acc_layout)  # two-level: a K tile's own accumulator
+    f = 0
+    for u in range(pid, units, programs):
+        off_n, off_m, pid_k, out_tile = _unit(u, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
+        nxt_n, nxt_m, nxt_k, _ = _unit(u + programs, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
+        more = u + programs < units
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, acc_layout)
+        for kt in range(tiles):
+            stage = f % STAGES
+            if TWO_LEVEL:  # this tile's integer group multipliers, loaded before the data wait
+                k = gl.load(gs_ptr + ((pid_k + kt * SPLIT_K) * BLOCK_K // GROUP) * N + off_n + rows).to(gl.int32)
+            mbarrier.wait(bars.index(stage), (f // STAGES) & 1)
+            for c in gl.static_range(CHUNKS):
+                b8 = w_smem.index(stage).slice(32 * c, 32, dim=1).load(a_layout)
+                for j in gl.static_range(2):
+                    a = _slice_x16(b8, j)
+                    xt = x_smem.index(stage * CHUNKS + c).slice(32 * j, 32, dim=1).permute((1, 0))
+                    # (int8 registers cannot be threaded through the wait in Triton 3.6; ptxas keeps an in-flight
+                    # wgmma's registers live, which it reports when it has to serialize: it does not here)
+                    if TWO_LEVEL:
+                        tile = warpgroup_mma(a, xt, tile, use_acc=c + j > 0, is_async=True)
+                        tile = warpgroup_mma_wait(num_outstanding=1, deps=(tile,))
+                    else:
+                        acc = warpgroup_mma(a, xt, acc, is_async=True)
+                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    if c == 0 and j == 0:  # the previous iteration's mmas are done: its stage takes f + STAGES - 1
+                        if num_warps > 4:
+                            _cta_barrier()
+                        n_, m_, k_, kt_ = _ahead(kt, STAGES - 1, tiles, (off_n, off_m, pid_k), (nxt_n, nxt_m, nxt_k))
+                        _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, (f + STAGES - 1) % STAGES, n_, m_,
+                                    (k_ + kt_ * SPLIT_K) * BLOCK_K, more | (kt + STAGES - 1 < tiles), CHUNKS)
+            if TWO_LEVEL:  # 16 (q - 8) . x is divisible by 16: shifted back exactly, times the group's multiplier
+                tile = warpgroup_mma_wait(num_outstanding=0, deps=(tile,))
+                acc += (tile >> 4) * gl.expand_dims(k, 1)
+            f += 1
+        if not TWO_LEVEL:  # (two-level: each K tile's mmas were drained already)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _store_tile(acc, out_ptr, part_ptr, count_ptr, bias_ptr, cs_ptr, ts_ptr, M, N, off_n, off_m, pid_k, out_tile,
+                    SPLIT_K, 1.0 if TWO_LEVEL else 0.0625, IS_SPLIT, HAS_BIAS, True, True, BLOCK_N, BLOCK_M,
+                    num_warps)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    _store_tile(acc, out_ptr, part_ptr, count_ptr, bias_ptr, cs_ptr, ts_ptr, M, N, off_n, off_m, pid_k, SPLIT_K,
-                1.0 if TWO_LEVEL else 0.0625, IS_SPLIT, HAS_BIAS, True, True, BLOCK_N, BLOCK_M, num_warps)
 
 
 def w4a8_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: torch.Tensor,
@@ -93,15 +109,15 @@ def w4a8_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: tor
     n = packed.shape[0]
     split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     two_level = group_scales is not None and group_size != k
-    if not wgmma_fits(k, n, group_size if two_level else k, block_n, block_k) or k > MAX_K:
-        raise ValueError(f"w4a8 wgmma kernel: tile {block_n} x {block_k} does not fit N {n}, K {k}, group {group_size}")
+    if k > MAX_K:
+        raise ValueError(f"w4a8 wgmma kernel: K {k} over {MAX_K} (int32 accumulation)")
+    programs, tiles = launch_grid(m, n, k, group_size if two_level else k, config)
     xq, ts, _ = quantize_rows(x)
     if group_scales is not None and not two_level:  # one group over all of K: its multiplier joins the channel
         channel_scales = channel_scales * group_scales[0].float()
-    grid = (n // block_n, triton.cdiv(m, block_m), split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    part, counters = split_buffers(split, m, n, grid[0] * grid[1], x.device) if split > 1 else (out, out)
-    _w4a8_wgmma_kernel[grid](
+    part, counters = split_buffers(split, m, n, tiles, x.device) if split > 1 else (out, out)
+    _w4a8_wgmma_kernel[(programs,)](
         descriptor(xq, [block_m, CHUNK]), descriptor(packed, [block_n, block_k // 2]), ts, channel_scales,
         group_scales if two_level else channel_scales, bias if bias is not None else channel_scales, out, part,
         counters, m, n, k, GROUP=group_size, TWO_LEVEL=two_level, HAS_BIAS=bias is not None, SPLIT_K=split,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from quantkit.kernels.autotune import candidates
 from quantkit.kernels.w4a8_wgmma import w4a8_wgmma_matmul
-from quantkit.kernels.w4a16_wgmma import w4a16_wgmma_matmul, wgmma_fits
+from quantkit.kernels.w4a16_wgmma import launch_grid, w4a16_wgmma_matmul, wgmma_fits, wgmma_split
 from test_kernels_w4a16 import compile_for_sm90
 
 WGMMA_COMPILE = """
@@ -60,8 +60,8 @@ def check8(bm, bn, warps, two_level, split):
     mma = re.findall(r"wgmma.mma_async.sync.aligned.m64n(\\d+)k32.s32.s8.s8 [{][^}]*[}], [{]", ptx)
     assert len(mma) == (bn // 64) // (warps // 4) * 4 and set(mma) == {str(bm)}, (mma, consts)  # BLOCK_K 128
     waits = re.findall(r"wgmma.wait_group.sync.aligned (\\d+)", ptx)
-    # one in flight per slice; two-level: each K tile's int32 tile drained for its group multiplier
-    assert waits.count("1") == 4 and waits.count("0") == (2 if two_level else 1), waits
+    # one in flight per slice; one drain: per unit, or (two-level) per K tile's int32 tile for its group multiplier
+    assert waits.count("1") == 4 and waits.count("0") == 1, waits
     assert "cp.async.bulk.tensor" in ptx and "and.b32" in ptx and ("atom" in ptx) == split and kernel.asm["cubin"]
 
 check8(16, 128, 4, True, True)
@@ -85,8 +85,11 @@ def test_wgmma_configs_are_timed_on_hopper_only() -> None:
     assert w4a8[0]["kernel"] == "swap" and {c["BLOCK_K"] for c in w4a8 if c["kernel"] == "wgmma"} == {128}
     assert all(c["BLOCK_M"] <= 224 for m in (256, 512) for c in candidates("w4a8", m, 4096, 4096, 128, True, True)
                if c["kernel"] == "wgmma")  # int8 wgmma's N
-    for m in (1, 4):  # decode stays with the gemvs and the swap kernel
-        assert all(c["kernel"] != "wgmma" for c in candidates("w4a16", m, 4096, 4096, 128, True, True))
+    for scheme in ("w4a16", "w4a8"):  # decode: timed after the gemvs and the swap kernel, 8 tokens wide
+        for m in (1, 4):
+            options = candidates(scheme, m, 4096, 4096, 128, True, True)
+            first = next(i for i, c in enumerate(options) if c["kernel"] == "wgmma")
+            assert all(c["kernel"] == "wgmma" and c["BLOCK_M"] == 8 for c in options[first:]), options[first:]
     for m, first in ((16, "swap"), (32, "wgmma"), (64, "wgmma"), (256, "wgmma"), (512, "wgmma"), (1024, "dequant_mm")):
         options = candidates("w4a16", m, 4096, 14336, 128, True, True)
         assert options[0]["kernel"] == first and any(c["kernel"] == "wgmma" for c in options), m
@@ -95,6 +98,22 @@ def test_wgmma_configs_are_timed_on_hopper_only() -> None:
         assert all(c["BLOCK_M"] <= max(16, m) for c in wgmma)  # wgmma's N never wider than the tokens
     g64 = [c for c in candidates("w4a16", 64, 4096, 4096, 64, True, True) if c["kernel"] == "wgmma"]
     assert g64 and all(c["BLOCK_K"] == 64 for c in g64)  # a K tile inside one group
+
+
+def test_k_splits_give_every_unit_the_same_k_tiles() -> None:
+    assert wgmma_split(14336, 128, 16, 4) == 16 and wgmma_split(14336, 128, 8, 4) == 8  # 112 K tiles
+    assert wgmma_split(11008, 128, 16, 4) == 2  # 86 K tiles = 2 x 43: no larger split divides them
+    assert wgmma_split(4096, 128, 16, 6) == 4  # 32 K tiles: at least 5 per unit (the ring looks 5 ahead)
+    assert wgmma_split(256, 128, 4, 4) == 0  # 2 K tiles cannot fill a 4-stage ring's lookahead
+    for m, n, k in ((1, 4096, 14336), (64, 28672, 4096), (300, 6144, 4096)):
+        for c in (c for c in candidates("w4a16", m, n, k, 128, True, True) if c["kernel"] == "wgmma"):
+            tiles = k // c["BLOCK_K"]
+            assert tiles % c["SPLIT_K"] == 0 and tiles // c["SPLIT_K"] >= c["num_stages"] - 1, c
+            assert launch_grid(m, n, k, 128, c) == ((n // c["BLOCK_N"]) * -(-m // c["BLOCK_M"]) * c["SPLIT_K"],
+                                                    (n // c["BLOCK_N"]) * -(-m // c["BLOCK_M"]))
+    cfg = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=4)
+    with pytest.raises(ValueError, match="split 16, 4 stages does not fit"):
+        launch_grid(16, 4096, 4096, 128, cfg)  # 2 K tiles per unit
 
 
 def test_tile_rules() -> None:
