@@ -185,15 +185,17 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
 # The Gluon kernels on the swap layouts with asynchronous wgmma (w4a16_wgmma.py, w4a8_wgmma.py), by M bucket:
 # (BM, BN, BK, warps, stages). BM is wgmma's N (the tokens), BN the weight rows (64 per warpgroup), BK <= 256 (TMA's
 # 128-byte rows). W4A16: the H200 sweeps' winners (benchmarks/kernels/sweep_wgmma_*_2026-12-04.md; 32 and 128
-# interpolated); W4A8: BK 128 (a K tile inside a QQQ group of 128).
+# interpolated; since the unit loop, 128-input K tiles win at 16 and 256 tokens: sweep_wgmma_bk128_2026-12-04.md);
+# W4A8: BK 128 (a K tile inside a QQQ group of 128). 8 tokens (M <= 8): timed after the gemvs and the swap kernel.
 WGMMA_TILES = {
     "w4a16": {
         8: ((8, 128, 128, 4, 4), (8, 256, 128, 8, 4), (8, 128, 64, 4, 6), (8, 64, 128, 4, 6)),
-        16: ((16, 128, 64, 4, 6), (16, 256, 64, 4, 4), (16, 256, 128, 8, 4), (16, 128, 128, 4, 4)),
+        16: ((16, 128, 64, 4, 6), (16, 256, 64, 4, 4), (16, 256, 128, 8, 4), (16, 128, 128, 4, 4), (16, 256, 128, 4, 4)),
         32: ((32, 128, 64, 4, 6), (32, 64, 128, 4, 4), (32, 256, 128, 8, 4)),
         64: ((64, 64, 128, 4, 4), (64, 128, 64, 4, 6), (64, 256, 128, 8, 3), (64, 256, 64, 4, 4)),
         128: ((128, 128, 64, 4, 3), (64, 128, 64, 4, 6), (64, 256, 128, 8, 3)),
-        256: ((256, 64, 64, 4, 3), (128, 128, 64, 4, 3), (256, 128, 64, 8, 3)),
+        256: ((256, 64, 64, 4, 3), (128, 128, 64, 4, 3), (256, 128, 64, 8, 3), (128, 128, 128, 4, 3),
+              (128, 256, 128, 8, 3)),
     },
     "w4a8": {
         8: ((8, 128, 128, 4, 4), (8, 256, 128, 8, 4), (8, 64, 128, 4, 6)),
