@@ -83,6 +83,21 @@ def _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K: gl.conste
 
 
 @gluon.jit
+def _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """Program p takes the units (output tile, K split) p, p + programs, ..., its TMA ring running on across them
+    (the next unit's tiles load during this one's last mmas and epilogue); launched with one program per unit:
+    persistent grids of 1 or 2 programs per SM measured no faster on the H200 (sweep_wgmma_persistent_2026-12-04).
+    -> (units, K tiles per unit, grid_n, grid_m, the ring's weight stages, x stages and barriers)."""
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    grid_n, grid_m = N // BLOCK_N, gl.cdiv(M, BLOCK_M)
+    units = grid_n * grid_m * SPLIT_K
+    off_n, off_m, pid_k, _ = _unit(gl.program_id(0), units, grid_n, grid_m, BLOCK_N, BLOCK_M)
+    w_smem, x_smem, bars = _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K, STAGES)
+    return units, K // BLOCK_K // SPLIT_K, grid_n, grid_m, w_smem, x_smem, bars
+
+
+@gluon.jit
 def _unit(u, units, grid_n, grid_m, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
     """Work unit u (clamped to the last) -> (off_n, off_m, pid_k, output tile): n fastest, so the programs running
     together share x's tile and K range."""
@@ -125,14 +140,10 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
 
-    # program p takes the units (output tile, K split) p, p + programs, ..., its TMA ring running on across them
-    # (the next unit's tiles load during this one's last mmas and epilogue). Launched with one program per unit:
-    # persistent grids of 1 or 2 programs per SM measured no faster on the H200 (sweep_wgmma_persistent_2026-12-04)
+    units, tiles, grid_n, grid_m, w_smem, x_smem, bars = _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K,
+                                                                         STAGES)
     pid, programs = gl.program_id(0), gl.num_programs(0)
-    grid_n, grid_m = N // BLOCK_N, gl.cdiv(M, BLOCK_M)
-    units, tiles = grid_n * grid_m * SPLIT_K, K // BLOCK_K // SPLIT_K
     off_n, off_m, pid_k, out_tile = _unit(pid, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
-    w_smem, x_smem, bars = _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K, STAGES)
     s, zc = _row_params(s_ptr, z_ptr, pid_k * BLOCK_K, N, off_n + rows, GROUP, HAS_ZEROS, dtype)
     a_prev = gl.zeros([BLOCK_N, 16], dtype, a_layout)
     f = 0  # this program's K tiles so far: the ring position

@@ -25,7 +25,7 @@ from .w4a16_wgmma import (
     _ahead,
     _cta_barrier,
     _issue_tile,
-    _start_ring,
+    _start_program,
     _store_tile,
     _unit,
     descriptor,
@@ -52,11 +52,9 @@ def _w4a8_wgmma_kernel(x_desc, w_desc, ts_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
 
-    pid, programs = gl.program_id(0), gl.num_programs(0)  # units as in w4a16_wgmma.py
-    grid_n, grid_m = N // BLOCK_N, gl.cdiv(M, BLOCK_M)
-    units, tiles = grid_n * grid_m * SPLIT_K, K // BLOCK_K // SPLIT_K
-    off_n, off_m, pid_k, out_tile = _unit(pid, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
-    w_smem, x_smem, bars = _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K, STAGES)
+    units, tiles, grid_n, grid_m, w_smem, x_smem, bars = _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K,
+                                                                         STAGES)
+    pid, programs = gl.program_id(0), gl.num_programs(0)
     tile = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, acc_layout)  # two-level: a K tile's own accumulator
     f = 0
     for u in range(pid, units, programs):
