@@ -1,4 +1,4 @@
-"""W4A16 on Hopper for M = 16..256 in Gluon: the swap layout's weight as an *asynchronous* wgmma's register operand.
+"""W4A16 on Hopper for M = 1..512 in Gluon: the swap layout's weight as an *asynchronous* wgmma's register operand.
 
 `w4a16_swap.py` computes out^T = W x^T with the dequantized weight as wgmma's register A operand, but plain Triton
 makes such a wgmma synchronous (a `wgmma.wait_group 0` after every slice dot), so dequantization and mma serialize.
@@ -12,7 +12,9 @@ Gluon (Triton's lower-level language) states the pipeline itself:
 - every wgmma is issued async and followed by `wait(1)`: the next slice is dequantized while the previous mma runs.
   The previous slice's registers are threaded through that wait (as Triton's own WGMMA pipeliner does) so they stay
   untouched until its mma has read them.
-Split K as in w4a16.py: fp32 partials, the last program of a tile sums them in split order.
+Split K as in w4a16.py: fp32 partials, the last program of a tile sums them in split order. A program runs over
+units (an output tile's K split, every unit the same number of K tiles: `wgmma_split`) with its ring running on
+across them (`_start_program`); it is launched with one program per unit (persistent grids measured no faster).
 
 Gluon kernels have no CPU interpreter: the tests check the sm_90 compile (async register-operand wgmma, one wait per
 slice, TMA ring); results against float64 are checked on the GPU (bench_kernels.py --check-swap and every sweep).
