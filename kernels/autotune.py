@@ -310,12 +310,17 @@ def _cold_times(calls: list[Callable[[], object]], device: torch.device) -> list
     return times
 
 
+# Bumped whenever a kernel stops taking configs it took before (2: the Gluon kernels' splits must give every unit
+# the same K tiles): entries tuned by an earlier version are then never read back, and the layer is tuned again.
+TUNING_VERSION = 2
+
+
 def tuning_key(device_name: str, scheme: str, dtype: torch.dtype, n: int, k: int, group: int, m: int,
                zeros: bool, two_level: bool | None, swap: bool) -> str:
-    """The cache key of a tuned config: device, problem, M bucket and the layer traits configs depend on
+    """The cache key of a tuned config: version, device, problem, M bucket and the layer traits configs depend on
     (two_level: None for W4A16)."""
     traits = f"z{int(zeros)}" + ("" if two_level is None else f"two{int(two_level)}") + ("swap" if swap else "")
-    return f"{device_name}|{scheme}|{dtype}|N{n}|K{k}|g{group}|{traits}|M{m_bucket(m)}"
+    return f"v{TUNING_VERSION}|{device_name}|{scheme}|{dtype}|N{n}|K{k}|g{group}|{traits}|M{m_bucket(m)}"
 
 
 def pick_config(scheme: str, x: torch.Tensor, n: int, k: int, group: int, run: Callable[[dict], object],

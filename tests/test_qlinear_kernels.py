@@ -143,6 +143,9 @@ def test_tuner_picks_the_fastest_candidate_timed_cold(tmp_path, monkeypatch):
     assert autotune._cold_times([lambda i=i: run(options[i]) for i in (0, 1, 2)], x.device) == [10.0, float("inf"),
                                                                                              1.0]
     assert flushed == [96]
+    stale_key = autotune.tuning_key("fake-gpu", "w4a16", x.dtype, 512, 256, 128, 3, False, None, False)
+    stale_key = stale_key.replace(f"v{autotune.TUNING_VERSION}|", f"v{autotune.TUNING_VERSION - 1}|")
+    autotune._cache().put(stale_key, {"kernel": "from an earlier version"})  # never read back
     assert pick_config("w4a16", x, 512, 256, 128, run) == options[2]
     ran.clear()
     assert pick_config("w4a16", x, 512, 256, 128, run) == options[2] and ran == []  # from the cache
