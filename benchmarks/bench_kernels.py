@@ -231,11 +231,17 @@ def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict, sy
 
 
 def tensor_core_report() -> dict:
-    """Which compiled Triton kernels use wgmma / mma.sync (from their PTX), per kernel and tile."""
+    """Which compiled Triton / Gluon kernels use wgmma / mma.sync (from their PTX), per kernel and tile."""
     from quantkit.kernels import w4a8, w4a8_swap, w4a16, w4a16_swap
+    from quantkit.kernels.autotune import hopper_gluon
 
+    modules = [w4a16, w4a16_swap, w4a8, w4a8_swap]
+    if hopper_gluon(torch.device("cuda")):  # (older Tritons have no Gluon)
+        from quantkit.kernels import w4a8_wgmma, w4a16_wgmma
+
+        modules += [w4a16_wgmma, w4a8_wgmma]
     report = {}
-    for mod in (w4a16, w4a16_swap, w4a8, w4a8_swap):
+    for mod in modules:
         for name in dir(mod):
             fn = getattr(mod, name)
             caches = getattr(fn, "device_caches", None)
