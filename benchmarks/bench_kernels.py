@@ -251,7 +251,8 @@ def tensor_core_report() -> dict:
                 for compiled in entry[0].values():
                     ptx = compiled.asm.get("ptx", "")
                     meta = compiled.metadata  # one entry per compiled variant (tile, stages, flags)
-                    key = f"{name} warps={meta.num_warps} stages={meta.num_stages} smem={meta.shared} {compiled.hash[:8]}"
+                    stages = getattr(meta, "num_stages", None)  # (Gluon kernels pipeline themselves: none)
+                    key = f"{name} warps={meta.num_warps} stages={stages} smem={meta.shared} {compiled.hash[:8]}"
                     report[key] = dict(wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
                                        regs=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
                                        shared=compiled.metadata.shared)
