@@ -19,21 +19,26 @@ from quantkit.config import QuantConfig
 from quantkit.engine import LayerContext, capture_layer_inputs, quantize_model
 from quantkit.export import export_checkpoint, quantized_modules
 from quantkit.models import get_adapter
-from quantkit.nn.qlinear import QuantLinear
+from quantkit.nn.qlinear import QuantLinear, quantize_activations_per_token
 from quantkit.qtensor import QuantizationError
 from quantkit.quantizers.base import get_method
 from quantkit.quantizers.gptq import gptq_quantize
 from quantkit.quantizers.qqq import (
+    Int8Weight,
     PerChannelGrid,
     QQQQuantizer,
     SmoothingChoice,
     SmoothingProbe,
+    _matmul_probe,
+    _module_probe,
     candidate_thresholds,
     confirm_after_gptq,
     make_grid,
     search_smoothing,
+    threshold_scales,
 )
 from quantkit.reload import load_quantized
+from quantkit.smoothing import active_scaling_groups
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -79,6 +84,45 @@ def test_folded_smoothing_keeps_logits(kind: str) -> None:
     assert scaled > 0
     out, ref = model(calib.input_ids).logits, reference(calib.input_ids).logits
     assert ((out - ref).norm() / ref.norm()).item() < 1e-9
+
+
+@pytest.mark.parametrize("group_size", [-1, 32])
+def test_int8_loss_is_the_fake_quantized_loss(group_size: int) -> None:
+    """The probe runs the group's linears in int8 (torch._int_mm) inside the model's own attention and MLP: the
+    same loss as fake-quantized activations and weights in float64, q/k/v biases included (Qwen2)."""
+    model = with_outliers(tiny_model("qwen2")).double()
+    with torch.no_grad():  # initialised to 0
+        for bias in (p for name, p in model.named_parameters() if name.endswith("proj.bias")):
+            bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(bias.numel())))
+    adapter, calib, cpu = get_adapter(model), random_calibration(pad_from={1: 10}), torch.device("cpu")
+    inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, cpu, batch_size=4)
+    layer = adapter.get_layers(model)[0]
+    ctx = LayerContext(0, layer, adapter, inputs, layer_kwargs[0], masks, cpu)
+    for group in active_scaling_groups(layer, adapter):
+        probe = (_module_probe if group.inspect else _matmul_probe)(ctx, group, group_size, None)
+        scales = threshold_scales(probe.channel_max, probe.channel_min, probe.bound() / 4)
+        assert bool((scales != 1).any())
+        smoothed = [w * scales.to(w) for w in probe.weights]
+        weights = [Int8Weight.round_to_nearest(w, group_size).dequantize() for w in smoothed]
+        for w, rtn in zip(smoothed, weights, strict=True):  # GPTQ with an identity Hessian is RTN on the grid
+            expected = gptq_quantize(w, torch.eye(w.shape[1], dtype=w.dtype), qqq_config(group_size),
+                                     make_grid(group_size)).dequantize(w.dtype)
+            torch.testing.assert_close(rtn, expected, rtol=0, atol=0)
+        linears = [ctx.module(name) for name in group.linears]
+        originals = [linear.weight.data for linear in linears]
+        total = 0.0
+        for i, (x, target) in enumerate(zip(probe.inputs, probe.targets, strict=True)):
+            fake_x = quantize_activations_per_token(x / scales)
+            if group.inspect:  # the module computes with the fake-quantized weights
+                for linear, weight in zip(linears, weights, strict=True):
+                    linear.weight.data = weight
+                out = probe.block(i, fake_x, None)
+                for linear, weight in zip(linears, originals, strict=True):
+                    linear.weight.data = weight
+            else:
+                out = torch.cat([fake_x @ w.T for w in weights], dim=-1)
+            total += (out - target).square().sum().item()
+        assert probe.loss(scales) == pytest.approx(total / probe.tokens, rel=1e-6)
 
 
 def brute_force_loss(x: torch.Tensor, w: torch.Tensor, threshold: float) -> float:

@@ -44,10 +44,17 @@ def unpack_along_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.reshape(rows * per_word, n).to(torch.uint8)
 
 
+def int8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8: codes round(x / s) (int8, x's shape) and s = max|x_token| / 127 (fp32 [..., 1])."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8) / 127.0
+    codes = x.float() / scale  # a new tensor: round and clamp in place
+    return codes.round_().clamp_(-127, 127).to(torch.int8), scale
+
+
 def quantize_activations_per_token(x: torch.Tensor) -> torch.Tensor:
     """Per-token symmetric int8 fake quantization: round(x / s) * s with s = max|x_token| / 127."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8) / 127.0
-    return (torch.round(x.float() / scale).clamp(-127, 127) * scale).to(x.dtype)
+    codes, scale = int8_tokens(x)
+    return (codes * scale).to(x.dtype)
 
 
 class QuantLinear(nn.Module):
