@@ -9,7 +9,14 @@ from torch import nn
 from quantkit.config import QuantConfig
 from quantkit.qtensor import QuantizationError, compute_qparams, fake_quantize
 from quantkit.quantizers.base import get_method
-from quantkit.quantizers.rtn import MSE_GRID, MSE_MAX_SHRINK, MSE_NORM, find_qparams, rtn_quantize
+from quantkit.quantizers.rtn import (
+    MSE_GRID,
+    MSE_MAX_SHRINK,
+    MSE_NORM,
+    find_qparams,
+    rtn_fake_quantize,
+    rtn_quantize,
+)
 
 SHAPES = [(-1, 1), (32, 8), (64, 4), (128, 2)]  # group size, groups of a 256-input layer
 
@@ -55,6 +62,16 @@ def test_rtn_is_nearest_point_of_minmax_grid(bits, sym, group_size, n_groups):
             levels = (torch.arange(maxq + 1, dtype=torch.float64) - zero) * scale
             nearest = (chunk.double()[:, None] - levels[None]).abs().argmin(dim=1)
             assert torch.equal(result.codes[o, g * size : (g + 1) * size].long(), nearest)
+
+
+@pytest.mark.parametrize("mse", [False, True])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("group_size", [-1, 32])
+def test_fake_quantize_is_the_dequantized_rtn_bit_for_bit(group_size: int, sym: bool, mse: bool) -> None:
+    """AWQ's searches use rtn_fake_quantize for the values rtn_quantize exports."""
+    w = random_weight(seed=7 + group_size)
+    expected = rtn_quantize(w, 4, group_size, sym, mse).dequantize()
+    assert torch.equal(rtn_fake_quantize(w, 4, group_size, sym, mse), expected)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

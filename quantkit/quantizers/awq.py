@@ -16,7 +16,7 @@ Per decoder layer, before any linear is quantized (Method.smooth_layer):
    it, so the min-max RTN that follows sees exactly the searched range.
 3. Every linear is quantized by RTN, as `rtn` does.
 
-Q in both searches is that same RTN (rtn_quantize: min-max grid containing zero, fp16-rounded
+Q in both searches is that same RTN (rtn_fake_quantize, rtn_quantize's values: min-max grid containing zero, fp16-rounded
 scales), so the searched losses are those of the weights that are exported.
 
 Follows AutoAWQ (awq/quantize/quantizer.py: _search_best_scale, _compute_best_scale,
@@ -43,7 +43,7 @@ from quantkit.config import QuantConfig
 from quantkit.models.adapters import ScalingGroup
 from quantkit.qtensor import QuantizationError, check_group_size
 from quantkit.quantizers.base import LinearQuantizer, Method, register
-from quantkit.quantizers.rtn import RTNQuantizer, rtn_quantize
+from quantkit.quantizers.rtn import RTNQuantizer, rtn_fake_quantize
 from quantkit.smoothing import active_scaling_groups, fold_scales
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ def scaled_fake_quant(weight: torch.Tensor, scales: torch.Tensor, config: QuantC
     """Q(W s) / s in W's dtype: what the linear computes once s is folded into it and it is quantized."""
     wide = _wide(weight.dtype)
     scaled = (weight.to(wide) * scales).to(weight.dtype)  # as fold_scales stores it
-    deq = rtn_quantize(scaled, config.bits, config.group_size, config.sym, config.mse).dequantize(wide)
+    deq = rtn_fake_quantize(scaled, config.bits, config.group_size, config.sym, config.mse).to(wide)
     return (deq / scales).to(weight.dtype)
 
 
@@ -295,7 +295,7 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, config: QuantConfig) -> C
         for step in range(CLIP_STEPS):
             shrink = 1 - step / CLIP_GRID
             clipped = _clamp(w, amax * shrink).to(weight.dtype).reshape(-1, in_features)
-            deq = rtn_quantize(clipped, config.bits, group, config.sym, config.mse).dequantize(wide)
+            deq = rtn_fake_quantize(clipped, config.bits, group, config.sym, config.mse).to(wide)
             diff = _group_outputs(x_grouped, deq.reshape(w.shape)) - reference
             err = diff.pow(2).mean(1).T  # [rows, groups]
             if step == 0:

@@ -64,16 +64,29 @@ def find_qparams(w: torch.Tensor, bits: int, sym: bool, mse: bool) -> tuple[torc
     return compute_qparams(w.amin(dim=-1), w.amax(dim=-1), bits, sym)
 
 
-def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, mse: bool) -> QuantizedWeight:
-    """Quantize weight [out, in] group by group; the source tensor is left untouched."""
+def _rtn_grouped(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
+                 mse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float codes [out, groups, group], scale, zero [out, groups]) of weight [out, in]."""
     check_finite_weights(weight)
     out_features, in_features = weight.shape
     group = check_group_size(in_features, group_size)
     grouped = weight.detach().to(torch.float32).reshape(out_features, in_features // group, group)
     scale, zero = find_qparams(grouped, bits, sym, mse)
-    codes = quantize_codes(grouped, scale.unsqueeze(-1), zero.unsqueeze(-1), bits)
+    return quantize_codes(grouped, scale.unsqueeze(-1), zero.unsqueeze(-1), bits), scale, zero
+
+
+def rtn_fake_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, mse: bool) -> torch.Tensor:
+    """rtn_quantize(...).dequantize() (fp32, the same values), without the uint8 codes and the per-column
+    gathers of the group parameters: AWQ's searches dequantize thousands of trial weights."""
+    codes, scale, zero = _rtn_grouped(weight, bits, group_size, sym, mse)
+    return ((codes - zero.unsqueeze(-1)) * scale.unsqueeze(-1)).reshape(weight.shape)
+
+
+def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, mse: bool) -> QuantizedWeight:
+    """Quantize weight [out, in] group by group; the source tensor is left untouched."""
+    codes, scale, zero = _rtn_grouped(weight, bits, group_size, sym, mse)
     return QuantizedWeight(
-        codes=codes.reshape(out_features, in_features).to(torch.uint8),
+        codes=codes.reshape(weight.shape).to(torch.uint8),
         scales=scale,
         zeros=zero.to(torch.uint8),
         bits=bits,
