@@ -16,10 +16,21 @@ from quantkit.config import QuantConfig
 from quantkit.engine import quantize_model
 from quantkit.eval.perplexity import perplexity
 from quantkit.models import get_adapter
+from quantkit.nn.qlinear import QuantLinear
 
 
 def mean(nll: dict[str, float]) -> float:
     return sum(nll.values()) / len(nll)
+
+
+def with_act_bits(quantized, act_bits: int):
+    """A copy of an RTN / GPTQ quantized model whose linears take act_bits activations. Those methods' weights do
+    not depend on act_bits (test_qqq's test_rtn_and_gptq_weights_ignore_act_bits): W4A8 reuses W4A16's."""
+    model = copy.deepcopy(quantized)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.act_bits = act_bits
+    return model
 
 
 class NLLRecorder:
@@ -44,6 +55,12 @@ class NLLRecorder:
         quantize_model(quantized, get_adapter(quantized), calib, config, device="cpu", batch_size=batch_size,
                        show_progress=False)
         return self.nll(quantized, config.label(), time.perf_counter() - start), quantized
+
+    def reused(self, quantized, config: QuantConfig):
+        """quantized()'s result for `config` from a model RTN / GPTQ quantized with other act_bits (recorded
+        with 0 seconds)."""
+        model = with_act_bits(quantized, config.act_bits)
+        return self.nll(model, config.label()), model
 
     def write_report(self) -> None:
         folder = os.environ.get("QUANTKIT_TEST_REPORT")

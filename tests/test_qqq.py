@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from realmodel import with_act_bits
 from safetensors.torch import load_file
 from test_adapters import TINY, tiny_model
 from test_engine import random_calibration
@@ -281,6 +282,26 @@ def test_qqq_forces_its_scheme(caplog) -> None:
     assert any("act_bits" in r.message for r in caplog.records)
     with pytest.raises(QuantizationError, match="4-bit"):
         get_method(QuantConfig(method="qqq", bits=8))
+
+
+@pytest.mark.parametrize("group_size", [-1, 32])
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_rtn_and_gptq_weights_ignore_act_bits(method: str, group_size: int) -> None:
+    """Calibration runs each layer with dequantized weights and unquantized activations, so W4A8 RTN / GPTQ
+    quantize to W4A16's weights: the real-model tests evaluate one quantization both ways (realmodel.with_act_bits)."""
+    original, calib = with_outliers(tiny_model("llama")), random_calibration()
+    models = {}
+    for act_bits in (16, 8):
+        config = QuantConfig(method=method, group_size=group_size, act_bits=act_bits, act_order=method == "gptq")
+        models[act_bits] = copy.deepcopy(original)
+        quantize_model(models[act_bits], get_adapter(original), calib, config, device="cpu", show_progress=False)
+    w4a16, w4a8 = (models[bits].state_dict() for bits in (16, 8))
+    assert w4a16.keys() == w4a8.keys()
+    assert all(torch.equal(w4a16[name], w4a8[name]) for name in w4a16)
+    reused = with_act_bits(models[16], 8)
+    assert all(q.act_bits == 8 for q in quantized_modules(reused).values())
+    with torch.no_grad():
+        assert torch.equal(reused(calib.input_ids).logits, models[8](calib.input_ids).logits)
 
 
 @pytest.mark.parametrize("group_size", [-1, 32])
