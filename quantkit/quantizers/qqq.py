@@ -186,6 +186,7 @@ class Int8Linears:
             self._input, self._codes = x, int8_tokens(x.reshape(-1, x.shape[-1]))
         codes, token_scales = self._codes
         weight = self.weights[index]
+        # on CUDA, _int_mm needs > 16 rows and in / out features multiples of 8 (true of LLM layers and batches)
         out = torch._int_mm(codes, weight.values.t()).to(x.dtype)
         out = out.mul_(token_scales.to(x.dtype)).mul_(weight.scales.to(x.dtype))
         return out.reshape(*x.shape[:-1], -1)
