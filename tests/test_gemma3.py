@@ -22,7 +22,8 @@ from quantkit.reload import load_quantized
 
 pytestmark = pytest.mark.slow
 GROUP = 128
-# As for SmolLM2: 25 thresholds, smoothing loss on 8 of the 16 calibration sequences.
+# QQQ: 25 thresholds (the reference rule's floor is 100), smoothing loss on 8 of the 16 calibration sequences
+# (SmolLM2's g64 needs 50 thresholds: test_smollm2.QQQ_OPTIONS).
 RUNS = {
     "gptq-w4a16": QuantConfig(method="gptq", group_size=GROUP, act_order=True),
     "rtn-w4a8": QuantConfig(method="rtn", group_size=GROUP, act_bits=8),
