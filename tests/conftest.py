@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.manual_seed(0)
+
+# Under pytest-xdist (scripts/test.sh), each worker its share of the cores: intra-op threads beyond it would
+# spin-wait against the other workers'.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with the most slow (real-model) tests first, the rest in collection order: under xdist with
+    --dist loadfile --no-loadscope-reorder (scripts/test.sh) those files, minutes each, start at once on
+    separate workers instead of queueing behind each other at the end."""
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
 
 
 def _smollm2() -> Path | None:

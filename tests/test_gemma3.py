@@ -66,7 +66,9 @@ def test_gptq_and_qqq_w4a8_beat_rtn_w4a8(results) -> None:
 def test_qqq_smoothing_beats_plain_w4a8(results) -> None:
     """Only with the GPTQ check of each group's smoothing (QuantConfig.smooth_check, the default): without it
     QQQ measured 3.184 mean NLL against plain GPTQ W4A8's 3.167 (100 thresholds), with it 3.152 (100 thresholds)
-    and 3.158 (25 thresholds, this test's; English alone 3.085 vs 3.083) (benchmarks/accuracy/gemma3_cpu_ci.md)."""
+    and 3.158 (25 thresholds, this test's; English alone 3.085 vs 3.083). As CI runs it (one thread per xdist
+    worker, where GPTQ rounds differently): 3.150 vs 3.161, English alone 3.105 vs 3.077
+    (benchmarks/accuracy/gemma3_cpu_ci.md)."""
     fp, rtn, gptq, qqq = _w4a8(results)
     assert mean(qqq) < mean(gptq), (fp, gptq, qqq)
 
