@@ -197,8 +197,11 @@ VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate
 
 
 # vLLM runs fp16 (and its own int8 activation rounding), quantkit fp32 here: where quantkit's top two logits are
-# this close, either engine may pick either token (measured: 0.14 and 0.31 on the QQQ export, 2026-12-03).
+# this close, either engine may pick either token. W4A8 needs more: an int8 rounding flip moves logits further
+# (max |diff| 9.0 against transformers, test_transformers_loads_the_compressed_tensors_export). Measured on the
+# QQQ export: 0.14 and 0.31 (2026-12-03), 0.64 (2026-12-04: 50 thresholds, one thread per xdist worker).
 NEAR_TIE = 0.5
+NEAR_TIE_W4A8 = 1.0
 
 
 @torch.no_grad()
@@ -220,6 +223,7 @@ def teacher_forced_margins(folder: Path, prompt_ids: list[list[int]], tokens: li
 def test_vllm_greedy_tokens_match_quantkit(exports, setup, tmp_path, name: str) -> None:
     _, tokenizer, _, _ = setup
     folder = exports[name]
+    near_tie = NEAR_TIE_W4A8 if EXPORTS[name][1].act_bits == 8 else NEAR_TIE
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     (tmp_path / "prompts.json").write_text(json.dumps(prompt_ids))
     run = subprocess.run([str(VLLM_PYTHON), str(VLLM_RUNNER), str(folder), "--prompts-json",
@@ -245,5 +249,5 @@ def test_vllm_greedy_tokens_match_quantkit(exports, setup, tmp_path, name: str) 
     # every token vLLM chose greedily is quantkit's greedy choice too, given the same prefix, or a near-tie
     margins = teacher_forced_margins(folder, prompt_ids, vllm_tokens)
     steps = [m for row in margins for m in row]
-    assert max(steps) <= NEAR_TIE, (margins, vllm_tokens)
+    assert max(steps) <= near_tie, (margins, vllm_tokens)
     assert sum(m == 0 for m in steps) >= 0.8 * len(steps), (margins, vllm_tokens)
