@@ -427,7 +427,8 @@ def sweep_markdown(rows: list[dict]) -> str:
     """The best config of each kernel kind per (scheme, shape, M), and the best overall."""
     best: dict[tuple, dict] = {}
     for r in rows:
-        for key in ((r["scheme"], r["shape"], r["M"], "best"), (r["scheme"], r["shape"], r["M"], r["config"]["kernel"])):
+        kind = r["config"]["kernel"] + (f" chunk {r['config']['CHUNK_N']}" if "CHUNK_N" in r["config"] else "")
+        for key in ((r["scheme"], r["shape"], r["M"], "best"), (r["scheme"], r["shape"], r["M"], kind)):
             if key not in best or r["t_us"] < best[key]["t_us"]:
                 best[key] = r
     lines = ["| scheme | shape | M | kind | cuBLAS us | kernel us | speedup | GB/s | regs | spills | config |",

@@ -97,7 +97,7 @@ def w4a8_swap_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: torc
     if k % block_k or n % block_n or block_k % CHUNK or (two_level and group_size % block_k):
         raise ValueError(f"w4a8 swap kernel: K tile {block_k} (a multiple of {CHUNK}) / N tile {block_n} must "
                          f"divide K {k} / N {n} and the group {group_size}")
-    xq, ts, _ = quantize_rows(x)
+    xq, ts, _ = quantize_rows(x, sums=False)
     grid = (triton.cdiv(m, block_m) * (n // block_n), split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part, counters = split_buffers(split, m, n, math.prod(grid[:-1]), x.device) if split > 1 else (out, out)

@@ -110,7 +110,7 @@ def w4a8_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: tor
     if k > MAX_K:
         raise ValueError(f"w4a8 wgmma kernel: K {k} over {MAX_K} (int32 accumulation)")
     programs, tiles = launch_grid(m, n, k, group_size if two_level else k, config)
-    xq, ts, _ = quantize_rows(x)
+    xq, ts, _ = quantize_rows(x, sums=False)
     if group_scales is not None and not two_level:  # one group over all of K: its multiplier joins the channel
         channel_scales = channel_scales * group_scales[0].float()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -9,7 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are d
 
 import pytest
 import torch
-from quantkit.kernels.w4a8 import int8_weight, quantize_rows, w4a8_matmul
+from quantkit.kernels.w4a8 import int8_weight, quantize_rows, row_segments, w4a8_matmul
 from test_kernels_w4a16 import poisoned_outputs, random_layer, relative_error  # noqa: F401
 
 from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
@@ -42,10 +42,10 @@ def run(layer: QuantLinear, x: torch.Tensor, config: dict) -> torch.Tensor:
 
 
 GEMM = dict(kernel="gemm", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2)
-# The int_mm path (torch._int_mm) has no CPU kernel: benchmarks/bench_kernels.py --check covers it on CUDA.
 GEMV = dict(kernel="gemv", BLOCK_M=1, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2)
 CONFIGS = [(1, GEMM), (4, {**GEMM, "SPLIT_K": 3}), (21, {**GEMM, "BLOCK_M": 32, "BLOCK_K": 128}),
-           (3, {**GEMM, "kernel": "gemm_sliced", "BLOCK_K": 256}), (1, GEMV), (3, {**GEMV, "SPLIT_K": 2})]
+           (3, {**GEMM, "kernel": "gemm_sliced", "BLOCK_K": 256}), (1, GEMV), (3, {**GEMV, "SPLIT_K": 2}),
+           (17, dict(kernel="int_mm")), (18, dict(kernel="int_mm", CHUNK_N=16))]  # chunks of 16, 16, 8 columns
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -61,18 +61,28 @@ def test_every_path_matches_int8_reference(dtype, group, two_level, sym):
         assert relative_error(out, reference_w4a8(layer, x)) < TOLERANCE[dtype], config
 
 
-@pytest.mark.parametrize(("k", "one_pass_k"), [(96, 32768), (9000, 0)])  # row in registers; 3 blocks, 2 passes
+# row in registers; 3 blocks, 2 passes; without sums: 3 segments of 3072 (the last one 2856), 2 blocks each
+@pytest.mark.parametrize(("k", "one_pass_k", "sums"), [(96, 32768, True), (9000, 0, True), (9000, 32768, False)])
 @pytest.mark.usefixtures("poisoned_outputs")
-def test_activation_quantization_is_exact(k, one_pass_k):
+def test_activation_quantization_is_exact(k, one_pass_k, sums):
     x = torch.randn(5, k, dtype=torch.float16) * torch.tensor([1e-3, 1, 30, 500, 0.1]).half()[:, None]
     x[2, :] = 0  # an all-zero token: scale floors at 1e-8 / 127
     x[4, -1] = 3.0  # the row's max in the last, partial block
-    xq, scale, total = quantize_rows(x, one_pass_k)
+    x[3, 7] = -900.0  # the row's max in the first segment, so the others must see it too
+    xq, scale, total = quantize_rows(x, one_pass_k, sums, segments=3)
     ref_scale = x.abs().amax(dim=-1).float().clamp(min=1e-8) / 127.0
     ref_q = torch.round(x.float() / ref_scale[:, None]).clamp(-127, 127)
     torch.testing.assert_close(scale, ref_scale, rtol=0, atol=0)
     torch.testing.assert_close(xq.float(), ref_q, rtol=0, atol=0)
-    torch.testing.assert_close(total, ref_q.sum(1).int(), rtol=0, atol=0)
+    if sums:
+        torch.testing.assert_close(total, ref_q.sum(1).int(), rtol=0, atol=0)
+    else:
+        assert total is None
+
+
+def test_a_few_tokens_are_quantized_in_segments():
+    assert [row_segments(m, 14336) for m in (1, 16, 64, 264, 4096)] == [14, 14, 5, 1, 1]
+    assert row_segments(1, 4096) == 4 and row_segments(1, 512) == 1
 
 
 @pytest.mark.usefixtures("poisoned_outputs")
