@@ -427,8 +427,7 @@ def sweep_markdown(rows: list[dict]) -> str:
     """The best config of each kernel kind per (scheme, shape, M), and the best overall."""
     best: dict[tuple, dict] = {}
     for r in rows:
-        kind = r["config"]["kernel"] + (f" chunk {r['config']['CHUNK_N']}" if "CHUNK_N" in r["config"] else "")
-        for key in ((r["scheme"], r["shape"], r["M"], "best"), (r["scheme"], r["shape"], r["M"], kind)):
+        for key in ((r["scheme"], r["shape"], r["M"], "best"), (r["scheme"], r["shape"], r["M"], r["config"]["kernel"])):
             if key not in best or r["t_us"] < best[key]["t_us"]:
                 best[key] = r
     lines = ["| scheme | shape | M | kind | cuBLAS us | kernel us | speedup | GB/s | regs | spills | config |",
@@ -485,6 +484,26 @@ def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: f
     return failures
 
 
+def time_quantize_rows(log) -> int:
+    """W4A8's per-token quantization: a few programs per row (the default without row sums) against one program per
+    row (what the per-channel gemm's row sums need), outputs compared bit for bit. -> number of mismatches."""
+    from quantkit.kernels.w4a8 import quantize_rows, row_segments
+
+    mismatches = 0
+    for m in (1, 4, 16, 64, 256):
+        for k in (4096, 14336, 28672):
+            xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) * 3 for _ in range(8)]
+            xs[0][0, k - 5] = -4000.0  # a row max in the last segment
+            segmented, whole = quantize_rows(xs[0], sums=False), quantize_rows(xs[0], sums=True)
+            same = torch.equal(segmented[0], whole[0]) and torch.equal(segmented[1], whole[1])
+            mismatches += not same
+            t_seg = min(graph_time([lambda x=x: quantize_rows(x, sums=False) for x in xs]) for _ in range(3))
+            t_row = min(graph_time([lambda x=x: quantize_rows(x, sums=True) for x in xs]) for _ in range(3))
+            log(f"quantize_rows M={m} K={k}: {row_segments(m, k)} programs per row {t_seg * 1e6:.2f} us, one per row "
+                f"{t_row * 1e6:.2f} us ({t_row / t_seg:.2f}x), bitwise equal: {same}")
+    return mismatches
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/kernels"))
@@ -500,6 +519,7 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="grid: these")
     parser.add_argument("--check-swap", action="store_true", help="check the swap kernels' configs first")
     parser.add_argument("--asym", action="store_true", help="grid and sweep: layers with zero points")
+    parser.add_argument("--quantize-rows", action="store_true", help="only time W4A8's activation quantization")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     logfile = open(args.out / "log.txt", "a")
@@ -520,6 +540,8 @@ def main() -> int:
                 command=" ".join(sys.argv), commit=commit or "uncommitted", torch=torch.__version__,
                 triton=triton.__version__)
     torch.manual_seed(0)
+    if args.quantize_rows:
+        return int(time_quantize_rows(log) > 0)
     swap_failures = check_swap(log, args.schemes) if args.check_swap else 0
     log(f"swap check: {swap_failures} failures")
     if args.sweep_small_m:

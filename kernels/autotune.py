@@ -118,12 +118,6 @@ def swap_candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dic
     return list({str(c): c for c in out}.values())
 
 
-# Chunk sizes (MiB of widened weight) for dequant_mm / int_mm, as columns (CHUNK_N, multiples of 128): a chunk well
-# inside the H100 / H200's 50 MB L2 is written by the widening kernel and read back by cuBLAS without a DRAM round
-# trip.
-L2_CHUNKS_MB = (8, 16, 32)
-
-
 def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = False, hopper: bool = False) -> list[dict]:
     """Configs worth timing for this problem, the heuristic default first. scheme: 'w4a16' or 'w4a8'.
     swap: the layer has a swap kernel's weight layout (w4a16_swap; w4a8_swap for symmetric weights): its
@@ -182,12 +176,9 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
     if swap and hopper:  # W4A16: it won every M = 64 / 256 cell but three (swap: 4 of 6 at 16)
         wgmma = wgmma_candidates(scheme, m, n, k, group)
         out = wgmma + out if scheme == "w4a16" and 32 <= b <= 512 else out + wgmma
-    if b >= 256:  # the whole weight widened once, then cuBLAS; or the same in L2-sized chunks of columns
+    if b >= 256:
         big = "dequant_mm" if scheme == "w4a16" else "int_mm"
-        row_bytes = k * (2 if scheme == "w4a16" else 1)  # one output column of fp16 / int8 weight
-        steps = sorted({min(n, max(128, (mb << 20) // row_bytes // 128 * 128)) for mb in L2_CHUNKS_MB} - {n})
-        widened = [dict(kernel=big)] + [dict(kernel=big, CHUNK_N=step) for step in steps]
-        out = widened + out if b >= 1024 else out + widened
+        out.insert(0 if b >= 1024 else len(out), dict(kernel=big))
     return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm") or _fits(c, k, group)]
 
 

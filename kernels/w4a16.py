@@ -319,10 +319,8 @@ def _gemv_weights(qw_ptr, s_ptr, z_ptr, k0, N, offs_n, n_mask, rows, ROWS: tl.co
 
 @triton.jit
 def _gemv_words(qw_ptr, k0, N, offs_n, n_mask, rows):
-    """A gemv K tile's packed words [ROWS, BLOCK_N] (coalesced along N), read once: first out of L2 (the swap gemv
-    gained 1-7% from it on an H200, sweep_swap_gemv_prefetch_2026-12-04.md)."""
-    return tl.load(qw_ptr + (k0 // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0,
-                   eviction_policy="evict_first")
+    """A gemv K tile's packed words [ROWS, BLOCK_N] (coalesced along N)."""
+    return tl.load(qw_ptr + (k0 // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])  # one compile serves every M and split
@@ -369,19 +367,18 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
 
 
 @triton.jit
-def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, COLS, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The first COLS columns of a weight whose packed rows are N apart -> w [K, COLS]."""
     pid_k, pid_n = tl.program_id(0), tl.program_id(1)
     k0 = pid_k * BLOCK_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < COLS
+    n_mask = offs_n < N
     ROWS: tl.constexpr = BLOCK_K // 8
     words = tl.load(qw_ptr + (k0 // 8 + tl.arange(0, ROWS))[:, None] * N + offs_n[None, :],
                     mask=n_mask[None, :], other=0)
     s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
     w = dequant_tile(words, s, z, w_ptr.dtype.element_ty)
-    tl.store(w_ptr + (k0 + tl.arange(0, BLOCK_K))[:, None] * COLS + offs_n[None, :], w, mask=n_mask[None, :])
+    tl.store(w_ptr + (k0 + tl.arange(0, BLOCK_K))[:, None] * N + offs_n[None, :], w, mask=n_mask[None, :])
 
 
 def half2_word_sums(xs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -440,37 +437,16 @@ def tile_counters(device: torch.device, tiles: int = 1 << 16) -> torch.Tensor:
     return counters
 
 
-def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
-               first: int = 0, columns: int | None = None) -> torch.Tensor:
-    """[K, columns] weight in the scales' dtype: the layer's columns first .. first + columns (default: all of
-    them). The `dequant_mm` path; also a fast dequantizer."""
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               group_size: int) -> torch.Tensor:
+    """[K, N] weight in the scales' dtype (the `dequant_mm` path; also a fast dequantizer)."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
-    columns = n - first if columns is None else columns
-    w = torch.empty(k, columns, dtype=scales.dtype, device=qweight.device)
+    w = torch.empty(k, n, dtype=scales.dtype, device=qweight.device)
     block_k = 64 if k % 64 == 0 else 32
-    _dequant_kernel[(k // block_k, triton.cdiv(columns, 128))](
-        qweight[:, first:], scales[..., first:], zeros[..., first:] if zeros is not None else scales, w, n, columns,
-        GROUP=group_size, HAS_ZEROS=zeros is not None, BLOCK_N=128, BLOCK_K=block_k, num_warps=4)
+    _dequant_kernel[(k // block_k, triton.cdiv(n, 128))](
+        qweight, scales, zeros if zeros is not None else scales, w, n, GROUP=group_size,
+        HAS_ZEROS=zeros is not None, BLOCK_N=128, BLOCK_K=block_k, num_warps=4)
     return w
-
-
-def _dequant_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                bias: torch.Tensor | None, group_size: int, step: int) -> torch.Tensor:
-    """Dequantize, then cuBLAS, `step` output columns at a time: a chunk that fits in L2 is read back by the GEMM
-    from L2 and its lines are overwritten there by the next chunk (the allocator hands the freed block back),
-    instead of a whole layer's fp16 weight going through DRAM twice."""
-    m, k = x.shape
-    n = qweight.shape[1]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    for first in range(0, n, step):
-        columns = min(step, n - first)
-        w = dequantize(qweight, scales, zeros, group_size, first, columns)
-        part = out[:, first:first + columns]  # cuBLAS writes the strided view in place (ldc = N)
-        if bias is not None:
-            torch.addmm(bias[first:first + columns], x, w, out=part)
-        else:
-            torch.mm(x, w, out=part)
-    return out
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -479,7 +455,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     m, k = x.shape
     n = qweight.shape[1]
     if config["kernel"] == "dequant_mm":
-        return _dequant_mm(x, qweight, scales, zeros, bias, group_size, config.get("CHUNK_N", n))
+        w = dequantize(qweight, scales, zeros, group_size)
+        return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
     split = config["SPLIT_K"]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     gemv = config["kernel"] in GEMV_KERNELS

@@ -2,7 +2,7 @@
 
 Step 1 (`quantize_rows`, one small kernel): per token s = max|x| / 127 (fp32, at least 1e-8 / 127),
 x_int8 = round_half_even(x / s) clamped to [-127, 127], plus the token's sum of x_int8 (for zero points, when
-asked; without them a few tokens' rows are cut into segments, one program each).
+asked; without them a few tokens' rows are quantized by several programs each).
 This is exactly QuantLinear's quantize_activations_per_token, before its rounding back to fp16.
 
 Step 2 (GEMM, int8 x int8 -> int32 over all of K), weights widened from the K-packed int4 codes q:
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .autotune import GEMV_KERNELS, SMS_TO_FILL
+from .autotune import GEMV_KERNELS
 from .w4a16 import (
     MAGIC_F32,
     _fp16_bits,
@@ -61,54 +61,58 @@ def _quantize_block(x, scale, xq_ptr, offs, mask):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, sum_ptr, K, SEGMENT, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                          SUMS: tl.constexpr):
-    """Program (row, s) quantizes inputs s * SEGMENT .. (s + 1) * SEGMENT of its row (SUMS: the whole row, one
-    segment, and its sum); each program finds the row's max itself, so segments need no second launch."""
+def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, sum_ptr, K, SEGMENT, BLOCK: tl.constexpr, SEG_BLOCK: tl.constexpr,
+                          ONE_PASS: tl.constexpr, SEGMENTED: tl.constexpr):
     row, seg = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK)
-    if ONE_PASS:  # the whole row in registers
+    if ONE_PASS:  # the whole row in registers: one read of x, one memory latency
         x = tl.load(x_ptr + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8), 127.0)
-        total = _quantize_block(x, scale, xq_ptr + row * K, offs, offs < K)
-    else:  # long rows or a segment of one: a max pass over the row, then a quantizing pass over the segment
+        if SEGMENTED:  # every program of the row finds its max; each quantizes one segment (read again, from L1)
+            offs = seg * SEGMENT + tl.arange(0, SEG_BLOCK)
+            mask = (offs < K) & (tl.arange(0, SEG_BLOCK) < SEGMENT)
+            x = tl.load(x_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
+            total = _quantize_block(x, scale, xq_ptr + row * K, offs, mask)
+        else:
+            total = _quantize_block(x, scale, xq_ptr + row * K, offs, offs < K)
+    else:  # long rows: a max pass, then a quantizing pass
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_ptr + row * K + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-8), 127.0)
         total = tl.zeros((BLOCK,), dtype=tl.int32)
-        end = tl.minimum(seg * SEGMENT + SEGMENT, K)
-        for k0 in range(seg * SEGMENT, end, BLOCK):
-            x = tl.load(x_ptr + row * K + k0 + offs, mask=k0 + offs < end, other=0.0).to(tl.float32)
-            total += _quantize_block(x, scale, xq_ptr + row * K + k0, offs, k0 + offs < end)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * K + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            total += _quantize_block(x, scale, xq_ptr + row * K + k0, offs, k0 + offs < K)
     if seg == 0:
         tl.store(scale_ptr + row, scale)
-    if SUMS:
+    if not SEGMENTED:
         tl.store(sum_ptr + row, tl.sum(total, axis=0))
 
 
 def row_segments(m: int, k: int) -> int:
-    """Segments per row for a few tokens: one program per row is bound by its SM's issue rate (IEEE divisions;
-    14336 inputs took 5.4 us on an H200, log_quantize_rows_2026-12-03.txt), so rows are cut into segments of at
-    least 1024 inputs until about two programs per SM run."""
-    return max(1, min(k // 1024, -(-SMS_TO_FILL // m)))
+    """Programs per row for a few tokens: one program quantizing a whole row is bound by its SM (M = 1, K = 14336:
+    5.6 us on an H200; 14 programs of 1024 inputs each: 2.2 us, log_quantize_segments_2026-12-04.txt), so rows are
+    cut into segments of at least 1024 inputs, up to about 256 programs (each reads its whole row for the max)."""
+    return max(1, min(k // 1024, 256 // m))
 
 
 def quantize_rows(x: torch.Tensor, one_pass_k: int = ONE_PASS_K, sums: bool = True, segments: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """x [M, K] -> (int8 [M, K], fp32 token scales [M], int32 sums of the int8 rows [M] or None without `sums`).
-    segments: programs per row (default: row_segments; 1 when sums are asked for)."""
+    """x [M, K] -> (int8 [M, K], fp32 token scales [M], int32 sums of the int8 rows [M], or None without `sums`).
+    Without sums, rows held in registers are quantized in `segments` programs each (default: row_segments)."""
     m, k = x.shape
     xq = torch.empty(m, k, dtype=torch.int8, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
-    total = torch.empty(m, dtype=torch.int32, device=x.device) if sums else scale
-    segments = 1 if sums else segments or row_segments(m, k)
+    total = torch.empty(m, dtype=torch.int32, device=x.device)  # written only when a program takes a whole row
+    one_pass = k <= one_pass_k
+    segments = segments or row_segments(m, k) if one_pass and not sums else 1
     segment = -(-k // segments // 256) * 256  # 512-byte aligned segment starts
-    one_pass = k <= one_pass_k and segments == 1
-    block = triton.next_power_of_2(k) if one_pass else 4096 if segments == 1 else 2048
-    _quantize_rows_kernel[(m, -(-k // segment))](x, xq, scale, total, k, segment, BLOCK=block, ONE_PASS=one_pass,
-                                                 SUMS=sums, num_warps=max(4, min(16, block // 1024)))
+    block = triton.next_power_of_2(k) if one_pass else 4096
+    _quantize_rows_kernel[(m, -(-k // segment))](
+        x, xq, scale, total, k, segment, BLOCK=block, SEG_BLOCK=triton.next_power_of_2(segment), ONE_PASS=one_pass,
+        SEGMENTED=segment < k, num_warps=max(4, min(16, block // 1024)))
     return xq, scale, total if sums else None
 
 
@@ -228,14 +232,13 @@ def _w4a8_gemv_kernel(xq_ptr, ts_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, o
 
 
 @triton.jit
-def _int8_weight_kernel(qw_ptr, gs_ptr, z_ptr, w_ptr, N, K, COLS, GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr,
+def _int8_weight_kernel(qw_ptr, gs_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr,
                         HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Writes the first COLS columns of a weight whose packed rows are N apart as int8, transposed: [COLS, K]
-    (K-major, what cuBLAS' int8 GEMM wants)."""
+    """Writes the int8 weight transposed, [N, K] (K-major, what cuBLAS' int8 GEMM wants)."""
     pid_k, pid_n = tl.program_id(0), tl.program_id(1)
     k0 = pid_k * BLOCK_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < COLS
+    n_mask = offs_n < N
     ROWS: tl.constexpr = BLOCK_K // 8
     words = tl.load(qw_ptr + (k0 // 8 + tl.arange(0, ROWS))[:, None] * N + offs_n[None, :],
                     mask=n_mask[None, :], other=0)
@@ -249,17 +252,15 @@ def _int8_weight_kernel(qw_ptr, gs_ptr, z_ptr, w_ptr, N, K, COLS, GROUP: tl.cons
 
 
 @triton.jit
-def _scale_epilogue_kernel(acc_ptr, ts_ptr, cs_ptr, bias_ptr, out_ptr, M, COLS, OUT_STRIDE, HAS_BIAS: tl.constexpr,
+def _scale_epilogue_kernel(acc_ptr, ts_ptr, cs_ptr, bias_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr,
                            BLOCK: tl.constexpr):
-    """acc int32 [M, COLS] -> out (rows OUT_STRIDE apart) scaled by token and channel scales, plus bias."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * COLS
-    row, col = offs // COLS, offs % COLS
+    mask = offs < M * N
     out = tl.load(acc_ptr + offs, mask=mask, other=0).to(tl.float32)
-    out *= tl.load(ts_ptr + row, mask=mask, other=0.0) * tl.load(cs_ptr + col, mask=mask, other=0.0)
+    out *= tl.load(ts_ptr + offs // N, mask=mask, other=0.0) * tl.load(cs_ptr + offs % N, mask=mask, other=0.0)
     if HAS_BIAS:
-        out += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * OUT_STRIDE + col, out.to(out_ptr.dtype.element_ty), mask=mask)
+        out += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def half2_w4a8_gemv_reference(xq: torch.Tensor, token_scales: torch.Tensor, qweight: torch.Tensor,
@@ -280,36 +281,17 @@ def half2_w4a8_gemv_reference(xq: torch.Tensor, token_scales: torch.Tensor, qwei
 
 
 def int8_weight(qweight: torch.Tensor, group_scales: torch.Tensor | None, zeros: torch.Tensor | None,
-                group_size: int, first: int = 0, columns: int | None = None) -> torch.Tensor:
-    """[columns, K] int8 weight (zero point and group scale applied) of the layer's columns first .. first +
-    columns (default: all), for the int_mm path and for checks."""
+                group_size: int) -> torch.Tensor:
+    """[N, K] int8 weight (zero point and group scale applied), for the int_mm path and for checks."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
-    columns = n - first if columns is None else columns
-    w = torch.empty(columns, k, dtype=torch.int8, device=qweight.device)
+    w = torch.empty(n, k, dtype=torch.int8, device=qweight.device)
     block_k = 64 if k % 64 == 0 else 32
     dummy = qweight
-    _int8_weight_kernel[(k // block_k, triton.cdiv(columns, 64))](
-        qweight[:, first:], group_scales[..., first:] if group_scales is not None else dummy,
-        zeros[..., first:] if zeros is not None else dummy, w, n, k, columns, GROUP=group_size,
-        TWO_LEVEL=group_scales is not None, HAS_ZEROS=zeros is not None, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
+    _int8_weight_kernel[(k // block_k, triton.cdiv(n, 64))](
+        qweight, group_scales if group_scales is not None else dummy, zeros if zeros is not None else dummy,
+        w, n, k, GROUP=group_size, TWO_LEVEL=group_scales is not None, HAS_ZEROS=zeros is not None,
+        BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
     return w
-
-
-def _int8_cublas_mm(xq: torch.Tensor, token_scales: torch.Tensor, qweight: torch.Tensor,
-                    channel_scales: torch.Tensor, group_scales: torch.Tensor | None, zeros: torch.Tensor | None,
-                    bias: torch.Tensor | None, group_size: int, out: torch.Tensor, step: int) -> torch.Tensor:
-    """Widen to int8, cuBLAS int8 GEMM, scale: `step` output columns at a time, so a chunk's int8 weight and
-    int32 products can stay in L2 between the kernels that write and read them."""
-    m, k = xq.shape
-    n = qweight.shape[1]
-    block = 1024
-    for first in range(0, n, step):
-        columns = min(step, n - first)
-        acc = torch._int_mm(xq, int8_weight(qweight, group_scales, zeros, group_size, first, columns).t())
-        _scale_epilogue_kernel[(triton.cdiv(m * columns, block),)](
-            acc, token_scales, channel_scales[first:], bias[first:] if bias is not None else token_scales,
-            out[:, first:], m, columns, n, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
-    return out
 
 
 def w4a8_matmul(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
@@ -325,8 +307,12 @@ def w4a8_matmul(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Te
     xq, ts, xsum = quantize_rows(x, sums=config["kernel"] in ("gemm", "gemm_sliced") and group_scales is None)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if config["kernel"] == "int_mm":
-        return _int8_cublas_mm(xq, ts, qweight, channel_scales, group_scales, zeros, bias, group_size, out,
-                               config.get("CHUNK_N", n))
+        acc = torch._int_mm(xq, int8_weight(qweight, group_scales, zeros, group_size).t())
+        block = 1024
+        _scale_epilogue_kernel[(triton.cdiv(m * n, block),)](
+            acc, ts, channel_scales, bias if bias is not None else ts, out, m, n, HAS_BIAS=bias is not None,
+            BLOCK=block, num_warps=4)
+        return out
     split = config["SPLIT_K"]
     zeros_arg = zeros if zeros is not None else qweight
     bias_arg = bias if bias is not None else channel_scales

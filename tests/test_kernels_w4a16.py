@@ -79,8 +79,7 @@ def test_every_path_matches_float64(dtype, group, sym):
     layer = random_layer(256, 40, group, dtype, sym, seed=group + 7 * sym)  # N=40: a partial N tile
     for m, config in [(1, GEMV), (3, {**GEMV, "SPLIT_K": 2, "BLOCK_K": 128}), (2, GEMM),
                       (5, {**GEMM, "BLOCK_K": 64, "SPLIT_K": 3}), (19, {**GEMM, "BLOCK_N": 64}),
-                      (4, dict(kernel="dequant_mm")), (6, dict(kernel="dequant_mm", CHUNK_N=16)),
-                      (3, {**GEMM, "kernel": "gemm_sliced", "BLOCK_K": 128}),
+                      (4, dict(kernel="dequant_mm")), (3, {**GEMM, "kernel": "gemm_sliced", "BLOCK_K": 128}),
                       (17, {**GEMM, "kernel": "gemm_sliced", "BLOCK_K": 256, "SPLIT_K": 2})]:
         check(layer, m, config)
 
@@ -128,17 +127,6 @@ def test_dequantize_is_the_reference_weight():
     layer = random_layer(128, 48, 64, torch.float16, sym=False)
     w = dequantize(layer.qweight, layer.scales, layer.zeros, 64)
     torch.testing.assert_close(w, layer.dequantized_weight().t(), rtol=0, atol=0)
-
-
-def test_widened_weight_chunks_fit_in_l2():
-    """dequant_mm / int_mm chunks: whole first (the default from M = 1024), then 8 / 16 / 32 MiB of widened weight
-    as multiples of 128 columns, none as wide as the layer."""
-    for scheme, row_bytes in (("w4a16", 2 * 4096), ("w4a8", 4096)):
-        big = [c for c in candidates(scheme, 1024, 28672, 4096, 128) if c["kernel"] in ("dequant_mm", "int_mm")]
-        assert big[0] == {"kernel": "dequant_mm" if scheme == "w4a16" else "int_mm"}
-        steps = [c["CHUNK_N"] for c in big[1:]]
-        assert [s * row_bytes >> 20 for s in steps] == [8, 16, 32] and all(s % 128 == 0 for s in steps)
-    assert len([c for c in candidates("w4a16", 1024, 256, 4096, 128) if c["kernel"] == "dequant_mm"]) == 1
 
 
 def test_candidates_fit_shape_and_group():
