@@ -205,7 +205,23 @@ def copies_for(bytes_per_call: int) -> int:
     return max(1, min(16, math.ceil(3 * L2_BYTES / bytes_per_call)))
 
 
-def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict, sym: bool = True) -> dict:
+def _without_pdl(calls: list) -> float:
+    """graph_time of calls with programmatic dependent launch off (QUANTKIT_PDL=0), then back on."""
+    import os
+
+    from quantkit.kernels.w4a8 import dependent_launch
+
+    os.environ["QUANTKIT_PDL"] = "0"
+    dependent_launch.cache_clear()
+    try:
+        return graph_time(calls)
+    finally:
+        del os.environ["QUANTKIT_PDL"]
+        dependent_launch.cache_clear()
+
+
+def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict, sym: bool = True,
+               compare_pdl: bool = False) -> dict:
     fp16_bytes = 2 * (k * n + m * k + m * n)
     q_bytes = k * n // 2 + 2 * n * (k // (group if group > 0 else k)) + 2 * (m * k + m * n)
     base_calls, quant_calls = [], []
@@ -225,7 +241,12 @@ def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict, sy
         forward(x)  # tunes this M bucket (outside the capture), or reads the cache
         quant_calls.append(lambda f=forward, x=x: f(x))
     t_quant = graph_time(quant_calls)
-    return dict(t_cublas_us=t_base * 1e6, t_kernel_us=t_quant * 1e6, speedup=t_base / t_quant,
+    extra = {}
+    if compare_pdl:  # the same tuned configs without PDL: the better of two timings each
+        t_off = min(_without_pdl(quant_calls) for _ in range(2))
+        t_quant = min(t_quant, graph_time(quant_calls))
+        extra = dict(t_kernel_no_pdl_us=t_off * 1e6, speedup_no_pdl=t_base / t_off)
+    return dict(**extra, t_cublas_us=t_base * 1e6, t_kernel_us=t_quant * 1e6, speedup=t_base / t_quant,
                 kernel_GBps=q_bytes / t_quant / 1e9, cublas_GBps=fp16_bytes / t_base / 1e9,
                 kernel_TFLOPs=2 * m * n * k / t_quant / 1e12, cublas_TFLOPs=2 * m * n * k / t_base / 1e12)
 
@@ -289,8 +310,10 @@ def markdown(meta: dict, results: list[dict]) -> str:
     lines += ["| scheme | shape | M | cuBLAS us | kernel us | speedup | kernel GB/s | kernel TFLOP/s | config |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        no_pdl = f" (without PDL: {r['speedup_no_pdl']:.2f})" if "speedup_no_pdl" in r else ""
         lines.append(f"| {r['scheme']} | {r['shape']} | {r['M']} | {r['t_cublas_us']:.1f} | {r['t_kernel_us']:.1f} | "
-                     f"{r['speedup']:.2f} | {r['kernel_GBps']:.0f} | {r['kernel_TFLOPs']:.1f} | {r.get('config', '')} |")
+                     f"{r['speedup']:.2f}{no_pdl} | {r['kernel_GBps']:.0f} | {r['kernel_TFLOPs']:.1f} | "
+                     f"{r.get('config', '')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -301,7 +324,6 @@ GEMV_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 3),
 SMALL_MS = (1, 4, 16, 64, 256)
 
 
-# the swap-layout gemv: rows of its weight run along K, so narrow BLOCK_N tiles stay coalesced
 # the swap-layout gemv's tiles; its rows run along K, so narrow BLOCK_N tiles stay coalesced
 SWAP_GEMV_SWEEP = [(32, 256, 4, 1), (64, 256, 4, 1), (32, 512, 4, 1), (64, 128, 4, 1), (64, 256, 8, 1)]
 
@@ -520,6 +542,7 @@ def main() -> int:
     parser.add_argument("--check-swap", action="store_true", help="check the swap kernels' configs first")
     parser.add_argument("--asym", action="store_true", help="grid and sweep: layers with zero points")
     parser.add_argument("--quantize-rows", action="store_true", help="only time W4A8's activation quantization")
+    parser.add_argument("--compare-pdl", action="store_true", help="grid: also time each cell without PDL")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     logfile = open(args.out / "log.txt", "a")
@@ -562,7 +585,7 @@ def main() -> int:
             for m in args.ms or MS:
                 t0 = time.time()
                 row = dict(scheme=scheme, shape=shape, K=k, N=n, M=m, group=args.group, device=meta["device"],
-                           **bench_cell(scheme, k, n, m, args.group, layers, not args.asym))
+                           **bench_cell(scheme, k, n, m, args.group, layers, not args.asym, args.compare_pdl))
                 two_level = None if scheme == "w4a16" else args.group > 0
                 swap = scheme == "w4a16" or not args.asym  # which layers random_layer gives a swap layout
                 key = tuning_key(meta["device"], scheme, DTYPE, n, k, args.group if args.group > 0 else k, m,
@@ -571,7 +594,8 @@ def main() -> int:
                 results.append(row)
                 log(f"{scheme} {shape} M={m}: {row['t_kernel_us']:.1f}us vs {row['t_cublas_us']:.1f}us "
                     f"= {row['speedup']:.2f}x ({row['kernel_GBps']:.0f} GB/s, {row['kernel_TFLOPs']:.0f} TF/s) "
-                    f"[{time.time() - t0:.1f}s] {row['config']}")
+                    + (f" (without PDL {row['speedup_no_pdl']:.2f}x)" if args.compare_pdl else "")
+                    + f" [{time.time() - t0:.1f}s] {row['config']}")
                 (args.out / "results.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     (args.out / "results.md").write_text(markdown(meta, results))
     (args.out / "tensor_cores.json").write_text(json.dumps(tensor_core_report(), indent=1))

@@ -57,21 +57,41 @@ def _slice_q8(h, j: gl.constexpr, FP16: gl.constexpr):
 
 @gluon.jit
 def _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, stage, off_n, off_m, k0, pred, CHUNKS: gl.constexpr):
-    """TMA of one K tile (weight + x) into ring stage `stage`, signalled on its barrier. The weight box's row holds
+    """TMA of one K tile (weight + x) into ring stage `stage`, signalled on its barrier."""
+    _issue_weight(w_desc, x_desc, w_smem, bars, stage, off_n, k0, pred, CHUNKS)
+    _issue_x(x_desc, x_smem, bars, stage, off_m, k0, pred, CHUNKS)
+
+
+@gluon.jit
+def _issue_weight(w_desc, x_desc, w_smem, bars, stage, off_n, k0, pred, CHUNKS: gl.constexpr):
+    """The weight half of _issue_tile, which arms the stage's barrier for the whole tile. The weight box's row holds
     the tile's CHUNKS * 64 inputs packed (W4A16: 4 per int16, W4A8: 2 per int8)."""
     bar = bars.index(stage)
     mbarrier.expect(bar, w_desc.block_type.nbytes + CHUNKS * x_desc.block_type.nbytes, pred=pred)
     per_element: gl.constexpr = CHUNKS * _CHUNK // w_desc.block_type.shape[1]
     _tma_load(w_desc, [off_n, k0 // per_element], bar, w_smem.index(stage), pred=pred)
-    for c in gl.static_range(CHUNKS):
-        _tma_load(x_desc, [off_m, k0 + _CHUNK * c], bar, x_smem.index(stage * CHUNKS + c),
-                                        pred=pred)
 
 
 @gluon.jit
-def _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+def _issue_x(x_desc, x_smem, bars, stage, off_m, k0, pred, CHUNKS: gl.constexpr):
+    """The x half of _issue_tile: CHUNKS boxes of [BLOCK_M, 64]."""
+    for c in gl.static_range(CHUNKS):
+        _tma_load(x_desc, [off_m, k0 + _CHUNK * c], bars.index(stage), x_smem.index(stage * CHUNKS + c), pred=pred)
+
+
+@gluon.jit
+def _wait_for_prior_grid():
+    """griddepcontrol.wait: under programmatic dependent launch, until the kernel before has finished and its
+    writes are visible (a no-op otherwise)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                X_AFTER_PRIOR_GRID: gl.constexpr):
     """The TMA ring's shared memory and barriers, the first unit's first STAGES - 1 K tiles issued (a unit has at
-    least that many): (weight stages, x stages, barriers)."""
+    least that many; X_AFTER_PRIOR_GRID: their weight first, x once the kernel before, which writes x, is done):
+    (weight stages, x stages, barriers)."""
     CHUNKS: gl.constexpr = BLOCK_K // _CHUNK
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * CHUNKS] + x_desc.block_type.shape, x_desc.layout)
@@ -79,13 +99,17 @@ def _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K: gl.conste
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     for i in gl.static_range(STAGES - 1):
-        _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, i, off_n, off_m, (pid_k + i * SPLIT_K) * BLOCK_K, True,
-                    CHUNKS)
+        _issue_weight(w_desc, x_desc, w_smem, bars, i, off_n, (pid_k + i * SPLIT_K) * BLOCK_K, True, CHUNKS)
+    if X_AFTER_PRIOR_GRID:
+        _wait_for_prior_grid()
+    for i in gl.static_range(STAGES - 1):
+        _issue_x(x_desc, x_smem, bars, i, off_m, (pid_k + i * SPLIT_K) * BLOCK_K, True, CHUNKS)
     return w_smem, x_smem, bars
 
 
 @gluon.jit
-def _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+def _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                   X_AFTER_PRIOR_GRID: gl.constexpr = False):
     """Program p takes the units (output tile, K split) p, p + programs, ..., its TMA ring running on across them
     (the next unit's tiles load during this one's last mmas and epilogue); launched with one program per unit:
     persistent grids of 1 or 2 programs per SM measured no faster on the H200 (sweep_wgmma_persistent_2026-12-04).
@@ -95,7 +119,8 @@ def _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K: gl.constexpr, STAG
     grid_n, grid_m = N // BLOCK_N, gl.cdiv(M, BLOCK_M)
     units = grid_n * grid_m * SPLIT_K
     off_n, off_m, pid_k, _ = _unit(gl.program_id(0), units, grid_n, grid_m, BLOCK_N, BLOCK_M)
-    w_smem, x_smem, bars = _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K, STAGES)
+    w_smem, x_smem, bars = _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K, STAGES,
+                                       X_AFTER_PRIOR_GRID)
     return units, K // BLOCK_K // SPLIT_K, grid_n, grid_m, w_smem, x_smem, bars
 
 

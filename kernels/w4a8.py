@@ -25,9 +25,13 @@ scaling epilogue kernel).
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .autotune import GEMV_KERNELS
 from .w4a16 import (
@@ -62,7 +66,9 @@ def _quantize_block(x, scale, xq_ptr, offs, mask):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, sum_ptr, K, SEGMENT, BLOCK: tl.constexpr, SEG_BLOCK: tl.constexpr,
-                          ONE_PASS: tl.constexpr, SEGMENTED: tl.constexpr):
+                          ONE_PASS: tl.constexpr, SEGMENTED: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a dependent GEMM may start now: it waits for this grid (griddepcontrol.wait) before reading x
+        gdc_launch_dependents()
     row, seg = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     if ONE_PASS:  # the whole row in registers: one read of x, one memory latency
@@ -98,10 +104,20 @@ def row_segments(m: int, k: int) -> int:
     return max(1, min(k // 1024, 256 // m))
 
 
+@functools.cache
+def dependent_launch(device: torch.device) -> bool:
+    """Whether the W4A8 GEMMs after quantize_rows are launched as its programmatic dependents (PDL, sm_90 on): their
+    programs start while the quantization runs (launch, prologue, the weight ring's first tiles) and wait for it only
+    before reading x. QUANTKIT_PDL=0 turns it off."""
+    return (device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device) >= (9, 0)
+            and os.environ.get("QUANTKIT_PDL", "1") != "0")
+
+
 def quantize_rows(x: torch.Tensor, one_pass_k: int = ONE_PASS_K, sums: bool = True, segments: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [M, K] -> (int8 [M, K], fp32 token scales [M], int32 sums of the int8 rows [M], or None without `sums`).
-    Without sums, rows held in registers are quantized in `segments` programs each (default: row_segments)."""
+    Without sums, rows held in registers are quantized in `segments` programs each (default: row_segments).
+    On dependent_launch devices the kernel lets the next launch start early (which waits for it, see there)."""
     m, k = x.shape
     xq = torch.empty(m, k, dtype=torch.int8, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -112,7 +128,7 @@ def quantize_rows(x: torch.Tensor, one_pass_k: int = ONE_PASS_K, sums: bool = Tr
     block = triton.next_power_of_2(k) if one_pass else 4096
     _quantize_rows_kernel[(m, -(-k // segment))](
         x, xq, scale, total, k, segment, BLOCK=block, SEG_BLOCK=triton.next_power_of_2(segment), ONE_PASS=one_pass,
-        SEGMENTED=segment < k, num_warps=max(4, min(16, block // 1024)))
+        SEGMENTED=segment < k, PDL=dependent_launch(x.device), num_warps=max(4, min(16, block // 1024)))
     return xq, scale, total if sums else None
 
 

@@ -23,8 +23,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
-from .w4a8 import quantize_rows
+from .w4a8 import dependent_launch, quantize_rows
 from .w4a16 import _interpreting, _store_output, split_buffers
 from .w4a16_swap import _CHUNK, CHUNK, _swap_program, pack_nibble_slices
 
@@ -51,7 +52,10 @@ def _slice(b, j: tl.constexpr, PTX: tl.constexpr):
 @triton.jit
 def _w4a8_swap_kernel(xq_ptr, ts_ptr, b_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                       GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PTX: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PTX: tl.constexpr,
+                      PDL: tl.constexpr):
+    if PDL:  # launched while quantize_rows runs: wait for its x and token scales
+        gdc_wait()
     pid, pid_k, offs_m, offs_n = _swap_program(M, BLOCK_M, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_K // 2)
     b_ptrs = b_ptr + offs_n[:, None] * (K // 2) + offs_t[None, :]
@@ -97,15 +101,17 @@ def w4a8_swap_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: torc
     if k % block_k or n % block_n or block_k % CHUNK or (two_level and group_size % block_k):
         raise ValueError(f"w4a8 swap kernel: K tile {block_k} (a multiple of {CHUNK}) / N tile {block_n} must "
                          f"divide K {k} / N {n} and the group {group_size}")
-    xq, ts, _ = quantize_rows(x, sums=False)
+    if group_scales is not None and not two_level:  # one group over all of K: its multiplier joins the channel
+        channel_scales = channel_scales * group_scales[0].float()
     grid = (triton.cdiv(m, block_m) * (n // block_n), split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part, counters = split_buffers(split, m, n, math.prod(grid[:-1]), x.device) if split > 1 else (out, out)
-    if group_scales is not None and not two_level:  # one group over all of K: its multiplier joins the channel
-        channel_scales = channel_scales * group_scales[0].float()
+    xq, ts, _ = quantize_rows(x, sums=False)  # the kernel launched right before the GEMM (its PDL predecessor)
+    pdl = dependent_launch(x.device)
     _w4a8_swap_kernel[grid](
         xq, ts, packed, channel_scales, group_scales if two_level else channel_scales,
         bias if bias is not None else channel_scales, out, part, counters, m, n, k, GROUP=group_size,
         TWO_LEVEL=two_level, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, PTX=not _interpreting(), num_warps=config["num_warps"], num_stages=config["num_stages"])
+        SPLIT_K=split, PTX=not _interpreting(), PDL=pdl, num_warps=config["num_warps"],
+        num_stages=config["num_stages"], **({"launch_pdl": True} if pdl else {}))
     return out

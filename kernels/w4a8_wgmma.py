@@ -17,7 +17,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .w4a8 import quantize_rows
+from .w4a8 import dependent_launch, quantize_rows
 from .w4a8_swap import _HIGH, _LOW, MAX_K
 from .w4a16 import split_buffers
 from .w4a16_swap import _CHUNK, CHUNK
@@ -42,7 +42,7 @@ def _slice_x16(b, j: gl.constexpr):
 @gluon.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w4a8_wgmma_kernel(x_desc, w_desc, ts_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                        GROUP: gl.constexpr, TWO_LEVEL: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K,
-                       IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                       IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = 2 * w_desc.block_type.shape[1]
@@ -52,8 +52,9 @@ def _w4a8_wgmma_kernel(x_desc, w_desc, ts_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
 
+    # PDL: launched while quantize_rows runs; the ring's first weight tiles load before waiting for its x
     units, tiles, grid_n, grid_m, w_smem, x_smem, bars = _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K,
-                                                                         STAGES)
+                                                                         STAGES, PDL)
     pid, programs = gl.program_id(0), gl.num_programs(0)
     tile = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, acc_layout)  # two-level: a K tile's own accumulator
     f = 0
@@ -110,14 +111,16 @@ def w4a8_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: tor
     if k > MAX_K:
         raise ValueError(f"w4a8 wgmma kernel: K {k} over {MAX_K} (int32 accumulation)")
     programs, tiles = launch_grid(m, n, k, group_size if two_level else k, config)
-    xq, ts, _ = quantize_rows(x, sums=False)
     if group_scales is not None and not two_level:  # one group over all of K: its multiplier joins the channel
         channel_scales = channel_scales * group_scales[0].float()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part, counters = split_buffers(split, m, n, tiles, x.device) if split > 1 else (out, out)
+    xq, ts, _ = quantize_rows(x, sums=False)  # the kernel launched right before the GEMM (its PDL predecessor)
+    pdl = dependent_launch(x.device)
     _w4a8_wgmma_kernel[(programs,)](
         descriptor(xq, [block_m, CHUNK]), descriptor(packed, [block_n, block_k // 2]), ts, channel_scales,
         group_scales if two_level else channel_scales, bias if bias is not None else channel_scales, out, part,
         counters, m, n, k, GROUP=group_size, TWO_LEVEL=two_level, HAS_BIAS=bias is not None, SPLIT_K=split,
-        IS_SPLIT=split > 1, STAGES=config["num_stages"], num_warps=config["num_warps"])
+        IS_SPLIT=split > 1, STAGES=config["num_stages"], PDL=pdl, num_warps=config["num_warps"],
+        **({"launch_pdl": True} if pdl else {}))
     return out

@@ -159,6 +159,7 @@ def check_register_operand(fn, sig, consts, mma, marker, warps=4):
     assert marker in ptx and kernel.asm["cubin"]
     assert not re.search(r"local_alloc %", loop), "a tensor goes through shared memory inside the K loop"
     assert "async_copy_global_to_local" in ttgir, "weight and x loads are not pipelined (cp.async)"
+    return ptx
 """
 
 SWAP_COMPILE = REGISTER_OPERAND_CHECK + """

@@ -133,13 +133,22 @@ for two_level, split in ((True, 4), (False, 1)):
            "bias_ptr": "*fp16", "out_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
            "N": "i32", "K": "i32"}
     consts = dict(GROUP=128, TWO_LEVEL=two_level, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
-                  SPLIT_K=split, PTX=True)
-    check_register_operand(fn, sig, consts, r"wgmma.mma_async.sync.aligned.m64n16k32.s32.s8.s8", "0xF0F0F0F0")
+                  SPLIT_K=split, PTX=True, PDL=two_level)
+    ptx = check_register_operand(fn, sig, consts, r"wgmma.mma_async.sync.aligned.m64n16k32.s32.s8.s8", "0xF0F0F0F0")
+    assert ("griddepcontrol.wait" in ptx) == two_level  # PDL: waits for the quantization kernel's x
+
+from quantkit.kernels.w4a8 import _quantize_rows_kernel as quantize
+sig = {"x_ptr": "*fp16", "xq_ptr": "*i8", "scale_ptr": "*fp32", "sum_ptr": "*i32", "K": "i32", "SEGMENT": "i32"}
+consts = dict(BLOCK=16384, SEG_BLOCK=1024, ONE_PASS=True, SEGMENTED=True, PDL=True)
+kernel = compile(ASTSource(fn=quantize, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts),
+                 target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
+assert "griddepcontrol.launch_dependents" in kernel.asm["ptx"] and "div.rn.f32" in kernel.asm["ptx"]
 print("compiled")
 """
 
 
 def test_swap_kernel_compiles_to_register_operand_int8_wgmma_for_sm90() -> None:
     """On its sm_90 compile (Triton's bundled ptxas, no GPU needed): int8 wgmma takes the weight slices from
-    registers, nothing but the cp.async copies goes through shared memory in the K loop, the PTX assembles."""
+    registers, nothing but the cp.async copies goes through shared memory in the K loop, the PTX assembles; under
+    programmatic dependent launch it waits for the quantization kernel, which lets it launch early."""
     compile_for_sm90(SWAP_COMPILE)

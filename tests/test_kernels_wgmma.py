@@ -54,9 +54,13 @@ def check8(bm, bn, warps, two_level, split):
            "ts_ptr": "*fp32", "cs_ptr": "*fp32", "gs_ptr": "*fp16", "bias_ptr": "*fp16", "out_ptr": "*fp16",
            "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32"}
     sig = {**sig, **{name: "constexpr" for name in fn8.arg_names if name not in sig}}
-    consts = dict(GROUP=128, TWO_LEVEL=two_level, HAS_BIAS=True, IS_SPLIT=split, STAGES=4, num_warps=warps)
+    consts = dict(GROUP=128, TWO_LEVEL=two_level, HAS_BIAS=True, IS_SPLIT=split, STAGES=4, PDL=two_level,
+                  num_warps=warps)
     kernel = compile(GluonASTSource(fn8, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = kernel.asm["ptx"]
+    # PDL: the ring's first weight tiles are issued before waiting for the quantization kernel (x comes after)
+    assert ("griddepcontrol.wait" in ptx) == two_level
+    assert not two_level or ptx.index("cp.async.bulk.tensor") < ptx.index("griddepcontrol.wait")
     mma = re.findall(r"wgmma.mma_async.sync.aligned.m64n(\\d+)k32.s32.s8.s8 [{][^}]*[}], [{]", ptx)
     assert len(mma) == (bn // 64) // (warps // 4) * 4 and set(mma) == {str(bm)}, (mma, consts)  # BLOCK_K 128
     waits = re.findall(r"wgmma.wait_group.sync.aligned (\\d+)", ptx)
@@ -74,7 +78,7 @@ def test_wgmma_kernels_compile_to_async_register_operand_wgmma_for_sm90() -> Non
     """What the kernels exist for, on their sm_90 compile (Triton's bundled ptxas, no GPU): register-operand wgmma
     with the tokens as its N, one mma left in flight per slice (wait_group 1) and a single drain (W4A8 two-level: one
     per K tile), TMA copies behind mbarriers, the slice PTX assembled; W4A16 fp16 / bf16, per channel / groups, zero
-    points, split K, 8 warps; W4A8 int8 two-level / per channel."""
+    points, split K, 8 warps; W4A8 int8 two-level / per channel, its weight TMAs ahead of waiting for x (PDL)."""
     compile_for_sm90(WGMMA_COMPILE)
 
 
