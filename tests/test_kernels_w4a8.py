@@ -108,3 +108,29 @@ def test_half2_gemv_numerics_match_float64(group, two_level, sym):
     out = half2_w4a8_gemv_reference(xq, token_scales, layer.qweight, channel, layer.scales if two_level else None,
                                     zeros, layer.group_size)
     assert relative_error(out, reference_w4a8(layer, x)) < TOLERANCE[torch.float16]
+
+
+def test_dependent_launch_only_on_hopper_and_later(monkeypatch):
+    """PDL (the GEMM launched as the quantization kernel's programmatic dependent) needs sm_90's griddepcontrol:
+    never on the CPU, under the interpreter, or on older GPUs; QUANTKIT_PDL=0 turns it off."""
+    from quantkit.kernels import w4a8
+
+    cuda = torch.device("cuda", 0)
+    capability = {"now": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["now"])
+    monkeypatch.setattr(w4a8, "_interpreting", lambda: False)
+    cases = [((9, 0), None, True), ((10, 0), None, True), ((8, 0), None, False), ((9, 0), "0", False)]
+    for cap, env, expected in cases:
+        capability["now"] = cap
+        if env is None:
+            monkeypatch.delenv("QUANTKIT_PDL", raising=False)
+        else:
+            monkeypatch.setenv("QUANTKIT_PDL", env)
+        w4a8.dependent_launch.cache_clear()
+        assert w4a8.dependent_launch(cuda) is expected, (cap, env)
+    w4a8.dependent_launch.cache_clear()
+    assert not w4a8.dependent_launch(torch.device("cpu"))
+    monkeypatch.setattr(w4a8, "_interpreting", lambda: True)
+    w4a8.dependent_launch.cache_clear()
+    assert not w4a8.dependent_launch(cuda)
+    w4a8.dependent_launch.cache_clear()
