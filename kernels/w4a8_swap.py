@@ -13,7 +13,8 @@ Two-level (QQQ) scales are taken when every group scale is an integer k (what qu
 s_g = k * s_ch, k in 1..16): then round((q - 8) k) = (q - 8) k, and each K tile's int32 dot (a K tile never
 spans two groups) is shifted back by 4 and multiplied by k exactly, so the result equals QQQ's int8 weights
 accumulated over all of K. Per channel the dot accumulates straight through. Epilogue: token scale x channel
-scale (/ 16), bias, fused split-K (w4a16's `_store_output`). Symmetric weights only (zero 8).
+scale (/ 16), bias, fused split-K (w4a16's `_store_output`). Symmetric weights only (zero 8). On sm_90 the kernel is
+launched as quantize_rows' programmatic dependent (w4a8.dependent_launch) and waits for it before anything else.
 """
 
 from __future__ import annotations
