@@ -123,7 +123,7 @@ def quantize_rows(x: torch.Tensor, one_pass_k: int = ONE_PASS_K, sums: bool = Tr
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     total = torch.empty(m, dtype=torch.int32, device=x.device)  # written only when a program takes a whole row
     one_pass = k <= one_pass_k
-    segments = segments or row_segments(m, k) if one_pass and not sums else 1
+    segments = (segments or row_segments(m, k)) if one_pass and not sums else 1
     segment = -(-k // segments // 256) * 256  # 512-byte aligned segment starts
     block = triton.next_power_of_2(k) if one_pass else 4096
     _quantize_rows_kernel[(m, -(-k // segment))](
@@ -346,7 +346,8 @@ def w4a8_matmul(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Te
     grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split)
     part, counters = split_buffers(split, m, n, grid[0], x.device) if split > 1 else (out, out)
     _w4a8_gemm_kernel[grid](
-        xq, ts, xsum if xsum is not None else ts, qweight, channel_scales, group_scales if group_scales is not None else channel_scales,
+        xq, ts, xsum if xsum is not None else ts, qweight, channel_scales,
+        group_scales if group_scales is not None else channel_scales,
         zeros_arg, bias_arg, out, part, counters, m, n, k, BLOCK_M=config["BLOCK_M"], SPLIT_K=split,
         SLICED=config["kernel"] == "gemm_sliced", **flags)
     return out
