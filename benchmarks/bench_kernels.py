@@ -206,17 +206,21 @@ def copies_for(bytes_per_call: int) -> int:
 
 
 def _without_pdl(calls: list) -> float:
-    """graph_time of calls with programmatic dependent launch off (QUANTKIT_PDL=0), then back on."""
+    """graph_time of calls with programmatic dependent launch off (QUANTKIT_PDL=0), then as it was."""
     import os
 
     from quantkit.kernels.w4a8 import dependent_launch
 
+    before = os.environ.get("QUANTKIT_PDL")
     os.environ["QUANTKIT_PDL"] = "0"
     dependent_launch.cache_clear()
     try:
         return graph_time(calls)
     finally:
-        del os.environ["QUANTKIT_PDL"]
+        if before is None:
+            del os.environ["QUANTKIT_PDL"]
+        else:
+            os.environ["QUANTKIT_PDL"] = before
         dependent_launch.cache_clear()
 
 

@@ -113,6 +113,12 @@ def dependent_launch(device: torch.device) -> bool:
             and os.environ.get("QUANTKIT_PDL", "1") != "0")
 
 
+def dependent_launch_args(device: torch.device) -> dict:
+    """Launch keywords of a W4A8 GEMM that follows quantize_rows: the kernel's PDL constexpr (wait for the quantization
+    before reading x) and Triton's launch_pdl, always together: a kernel launched early that did not wait would race."""
+    return dict(PDL=True, launch_pdl=True) if dependent_launch(device) else dict(PDL=False)
+
+
 def quantize_rows(x: torch.Tensor, one_pass_k: int = ONE_PASS_K, sums: bool = True, segments: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [M, K] -> (int8 [M, K], fp32 token scales [M], int32 sums of the int8 rows [M], or None without `sums`).

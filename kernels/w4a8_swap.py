@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from .w4a8 import dependent_launch, quantize_rows
+from .w4a8 import dependent_launch_args, quantize_rows
 from .w4a16 import _interpreting, _store_output, split_buffers
 from .w4a16_swap import _CHUNK, CHUNK, _swap_program, pack_nibble_slices
 
@@ -108,11 +108,10 @@ def w4a8_swap_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: torc
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part, counters = split_buffers(split, m, n, math.prod(grid[:-1]), x.device) if split > 1 else (out, out)
     xq, ts, _ = quantize_rows(x, sums=False)  # the kernel launched right before the GEMM (its PDL predecessor)
-    pdl = dependent_launch(x.device)
     _w4a8_swap_kernel[grid](
         xq, ts, packed, channel_scales, group_scales if two_level else channel_scales,
         bias if bias is not None else channel_scales, out, part, counters, m, n, k, GROUP=group_size,
         TWO_LEVEL=two_level, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, PTX=not _interpreting(), PDL=pdl, num_warps=config["num_warps"],
-        num_stages=config["num_stages"], **({"launch_pdl": True} if pdl else {}))
+        SPLIT_K=split, PTX=not _interpreting(), num_warps=config["num_warps"], num_stages=config["num_stages"],
+        **dependent_launch_args(x.device))
     return out

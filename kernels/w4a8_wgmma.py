@@ -19,7 +19,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .w4a8 import dependent_launch, quantize_rows
+from .w4a8 import dependent_launch_args, quantize_rows
 from .w4a8_swap import _HIGH, _LOW, MAX_K
 from .w4a16 import split_buffers
 from .w4a16_swap import _CHUNK, CHUNK
@@ -118,11 +118,10 @@ def w4a8_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: tor
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part, counters = split_buffers(split, m, n, tiles, x.device) if split > 1 else (out, out)
     xq, ts, _ = quantize_rows(x, sums=False)  # the kernel launched right before the GEMM (its PDL predecessor)
-    pdl = dependent_launch(x.device)
     _w4a8_wgmma_kernel[(programs,)](
         descriptor(xq, [block_m, CHUNK]), descriptor(packed, [block_n, block_k // 2]), ts, channel_scales,
         group_scales if two_level else channel_scales, bias if bias is not None else channel_scales, out, part,
         counters, m, n, k, GROUP=group_size, TWO_LEVEL=two_level, HAS_BIAS=bias is not None, SPLIT_K=split,
-        IS_SPLIT=split > 1, STAGES=config["num_stages"], PDL=pdl, num_warps=config["num_warps"],
-        **({"launch_pdl": True} if pdl else {}))
+        IS_SPLIT=split > 1, STAGES=config["num_stages"], num_warps=config["num_warps"],
+        **dependent_launch_args(x.device))
     return out

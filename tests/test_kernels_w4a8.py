@@ -128,6 +128,8 @@ def test_dependent_launch_only_on_hopper_and_later(monkeypatch):
             monkeypatch.setenv("QUANTKIT_PDL", env)
         w4a8.dependent_launch.cache_clear()
         assert w4a8.dependent_launch(cuda) is expected, (cap, env)
+        # the GEMM waits (PDL constexpr) exactly when it is launched early (launch_pdl)
+        assert w4a8.dependent_launch_args(cuda) == (dict(PDL=True, launch_pdl=True) if expected else dict(PDL=False))
     w4a8.dependent_launch.cache_clear()
     assert not w4a8.dependent_launch(torch.device("cpu"))
     monkeypatch.setattr(w4a8, "_interpreting", lambda: True)
