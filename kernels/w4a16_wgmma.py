@@ -173,12 +173,14 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     off_n, off_m, pid_k, out_tile = _unit(pid, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
     s, zc = _row_params(s_ptr, z_ptr, pid_k * BLOCK_K, N, off_n + rows, GROUP, HAS_ZEROS, dtype)
     a_prev = gl.zeros([BLOCK_N, 16], dtype, a_layout)
+    # zeroed once: a unit's first mma ignores it (use_acc). A zeroing inside the loops is an instruction other than
+    # wgmma writing its accumulator, for which ptxas serializes every wgmma of the kernel (its warning C7515)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
     f = 0  # this program's K tiles so far: the ring position
     for u in range(pid, units, programs):
         off_n, off_m, pid_k, out_tile = _unit(u, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
         nxt_n, nxt_m, nxt_k, _ = _unit(u + programs, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
         more = u + programs < units
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
         for kt in range(tiles):
             stage = f % STAGES
             # the next iteration's scales go out now (after the last unit's last tile: re-read)
@@ -195,7 +197,7 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
                     if not PER_CHANNEL:
                         a = a * s
                     b = x_smem.index(stage * CHUNKS + c).slice(16 * j, 16, dim=1).permute((1, 0))
-                    acc = warpgroup_mma(a, b, acc, is_async=True)
+                    acc = warpgroup_mma(a, b, acc, use_acc=kt > 0 or c + j > 0, is_async=True)
                     acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
                     a_prev = a
                     if c == 0 and j == 0:

@@ -9,11 +9,14 @@ the high half of a byte *is* the int8 16 (q - 8), so a slice costs one `and` (hi
 four weights, and the int32 accumulator holds 16 times the dot product (|16 (q - 8)| <= 128: no overflow for
 K <= 2**31 / (127 * 128) = 132,104).
 
-Two-level (QQQ) scales are taken when every group scale is an integer k (what quantkit's QQQ writes:
-s_g = k * s_ch, k in 1..16): then round((q - 8) k) = (q - 8) k, and each K tile's int32 dot (a K tile never
-spans two groups) is shifted back by 4 and multiplied by k exactly, so the result equals QQQ's int8 weights
-accumulated over all of K. Per channel the dot accumulates straight through. Epilogue: token scale x channel
-scale (/ 16), bias, fused split-K (w4a16's `_store_output`). Symmetric weights only (zero 8). On sm_90 the kernel is
+Two-level (QQQ) scales are taken when every group scale is an integer k in 0..16 (what quantkit's QQQ writes:
+s_g = k * s_ch): then round((q - 8) k) = (q - 8) k, QQQ's int8 weight exactly (a K tile never spans two groups).
+Tiles of EXACT_FROM_M tokens or more make it in registers with one multiply-add per four weights: with u the bytes q
+(nibble xor 8), u * k + (128 - 8 k) * 0x01010101 puts (q - 8) k + 128 in [0, 255] in each byte with no carry into the
+next, and xor 0x80 per byte leaves the int8 (q - 8) k; the int32 accumulator then runs over all of K as per channel.
+Smaller tiles accumulate each K tile's 16 (q - 8) x into its own int32 tile, shifted back by 4 and multiplied by k
+exactly (fewer instructions per slice, one drain per K tile). Epilogue: token scale x channel scale (/ 16 for
+16 (q - 8) weights), bias, fused split-K (w4a16's `_store_output`). Symmetric weights only (zero 8). On sm_90 the kernel is
 launched as quantize_rows' programmatic dependent (w4a8.dependent_launch) and waits for it before anything else.
 """
 
@@ -33,8 +36,16 @@ from .w4a16_swap import _CHUNK, CHUNK, _swap_program, pack_nibble_slices
 RUN = 32  # contiguous inputs per slice: int8 wgmma's K
 _RUN = tl.constexpr(RUN)
 MAX_K = 2**31 // (127 * 128)  # the int32 accumulator of 127 * 16 (q - 8) products stays exact up to this K
+EXACT_FROM_M = tl.constexpr(64)  # two-level tiles of this many tokens or more take the exact int8 (q - 8) k slices
 _HIGH = tl.constexpr("and.b32 $0, $1, 0xF0F0F0F0;")
 _LOW = tl.constexpr("{\n.reg .b32 t;\nshl.b32 t, $1, 4;\nand.b32 $0, t, 0xF0F0F0F0;\n}")
+# Two-level: $1 four weight bytes, $2 the row's k, $6 (128 - 8 k) * 0x01010101 (k and c come once per weight: pack 4)
+# -> the int8 (q - 8) k of the high (u = (b >> 4) & 0xF ^ 8) or low (u = b & 0xF ^ 8) nibbles; lop3 0x6A = (a & b) ^ c
+_TIMES_K = "mad.lo.u32 t, u, $2, $6;\nxor.b32 $0, t, 0x80808080;\n}"
+_HIGH_K = tl.constexpr("{\n.reg .b32 t, u;\nshr.b32 t, $1, 4;\nlop3.b32 u, t, 0x0F0F0F0F, 0x08080808, 0x6A;\n"
+                       + _TIMES_K)
+_LOW_K = tl.constexpr("{\n.reg .b32 t, u;\nlop3.b32 u, $1, 0x0F0F0F0F, 0x08080808, 0x6A;\n" + _TIMES_K)
+_K_CONSTRAINTS = tl.constexpr("=r,r" + ",r" * 8)
 
 
 def repack_for_w4a8_swap(qweight: torch.Tensor, columns: int = 1024) -> torch.Tensor:
@@ -51,6 +62,15 @@ def _slice(b, j: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
+def _slice_times_k(b, k, c, j: tl.constexpr, PTX: tl.constexpr):
+    """Slice j as QQQ's int8 (q - 8) k; k (int32, 0..16) and c = (128 - 8 k) * 0x01010101 broadcast along rows."""
+    if PTX:
+        return tl.inline_asm_elementwise(_HIGH_K if j == 0 else _LOW_K, _K_CONSTRAINTS, [b, k, c], dtype=tl.int8,
+                                         is_pure=True, pack=4)
+    return ((_slice(b, j, PTX) >> 4) * k).to(tl.int8)
+
+
+@triton.jit
 def _w4a8_swap_kernel(xq_ptr, ts_ptr, b_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                       GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PTX: tl.constexpr,
@@ -62,16 +82,21 @@ def _w4a8_swap_kernel(xq_ptr, ts_ptr, b_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, 
     b_ptrs = b_ptr + offs_n[:, None] * (K // 2) + offs_t[None, :]
     x_ptrs = xq_ptr + offs_m[None, :] * K + ((offs_t // _RUN) * _CHUNK + offs_t % _RUN)[:, None]  # slice 0, [BK/2, BM]
     m_mask = offs_m[None, :] < M
+    exact: tl.constexpr = TWO_LEVEL and BLOCK_M >= EXACT_FROM_M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     for kt in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0 = kt * BLOCK_K
         b = tl.load(b_ptrs + k0 // 2)
-        tile = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32) if TWO_LEVEL else acc
+        if TWO_LEVEL:  # the group's integer multipliers, one per row
+            k = tl.load(gs_ptr + (k0 // GROUP) * N + offs_n).to(tl.int32)[:, None]
+            c = k * -134744072 + -2139062144  # (128 - 8 k) * 0x01010101, in wrapping int32 arithmetic
+        tile = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32) if TWO_LEVEL and not exact else acc
         for j in tl.static_range(2):
             xt = tl.load(x_ptrs + k0 + _RUN * j, mask=m_mask, other=0)
-            tile = tl.dot(_slice(b, j, PTX), xt, tile, out_dtype=tl.int32)
-        if TWO_LEVEL:  # 16 (q - 8) . x, exactly divisible by 16, times the group's integer multiplier
-            acc += (tile >> 4) * tl.load(gs_ptr + (k0 // GROUP) * N + offs_n).to(tl.int32)[:, None]
+            a = _slice_times_k(b, k, c, j, PTX) if exact else _slice(b, j, PTX)
+            tile = tl.dot(a, xt, tile, out_dtype=tl.int32)
+        if TWO_LEVEL and not exact:  # 16 (q - 8) . x, exactly divisible by 16, times the group's multiplier
+            acc += (tile >> 4) * k
         else:
             acc = tile
     out = acc.to(tl.float32) * tl.load(cs_ptr + offs_n)[:, None]
@@ -83,8 +108,9 @@ def _w4a8_swap_kernel(xq_ptr, ts_ptr, b_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, 
 def w4a8_swap_supported(k: int, n: int, group_size: int, symmetric: bool,
                         group_scales: torch.Tensor | None) -> bool:
     """Whether `w4a8_swap_matmul` takes this layer: symmetric, K and N multiples of 64, per channel or
-    two-level with groups of 64 or more and integer group scales."""
-    integer = group_scales is None or bool((group_scales == group_scales.round()).all())
+    two-level with groups of 64 or more and integer group scales in 0..16."""
+    integer = group_scales is None or bool(((group_scales == group_scales.round()) & (group_scales >= 0)
+                                            & (group_scales <= 16)).all())
     grouped = group_scales is not None and group_size != k
     return (symmetric and integer and k % CHUNK == 0 and n % 64 == 0 and k <= MAX_K
             and (not grouped or group_size % CHUNK == 0))
@@ -94,7 +120,7 @@ def w4a8_swap_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: torc
                      group_scales: torch.Tensor | None, bias: torch.Tensor | None, group_size: int,
                      config: dict) -> torch.Tensor:
     """x [M, K] fp16/bf16 contiguous, packed = repack_for_w4a8_swap(qweight), channel_scales fp32 [N],
-    group_scales [G, N] integer-valued (two-level) or None (per channel) -> [M, N] in x's dtype."""
+    group_scales [G, N] integers in 0..16 (two-level) or None (per channel) -> [M, N] in x's dtype."""
     m, k = x.shape
     n = packed.shape[0]
     split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]

@@ -6,10 +6,13 @@ per four weights). Per-token int8 activations come from w4a8.quantize_rows; x's 
 [BLOCK_M, 64]. On sm_90 the kernel is launched as quantize_rows' programmatic dependent (w4a8.dependent_launch): its
 ring's first weight tiles are issued before it waits for that kernel (griddepcontrol.wait), x's after. Each slice is
 one async int8 wgmma (K = 32) followed by `wait_group 1`.
-- Per channel: the int32 accumulator runs over all of K; epilogue x channel scale x token scale / 16.
-- Two-level (QQQ, integer group multipliers k, a K tile inside one group): each K tile accumulates into its own
-  int32 tile, which is drained (`wait_group 0`) and added as (tile >> 4) * k, exactly QQQ's int8 weights
-  (q - 8) k summed over K; the first slice of the next tile is already dequantized by then.
+Per channel the slices are 16 (q - 8) and the int32 accumulator runs over all of K (epilogue x channel scale x token
+scale / 16). Two-level (QQQ, integer group multipliers k in 0..16, a K tile inside one group), as w4a8_swap.py:
+- tiles of 64 tokens or more: the slices are QQQ's int8 weights (q - 8) k, made by a multiply-add per four weights
+  from the K tile's k of each row, and the accumulator runs over all of K as per channel;
+- fewer tokens: each K tile accumulates 16 (q - 8) x into its own int32 tile, drained (`wait_group 0`) and added as
+  (tile >> 4) k; cheaper there, where a slice's mma is small next to its dequantization (H200 A/B in
+  benchmarks/KERNELS.md).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .w4a8 import dependent_launch_args, quantize_rows
-from .w4a8_swap import _HIGH, _LOW, MAX_K
+from .w4a8_swap import _HIGH, _HIGH_K, _K_CONSTRAINTS, _LOW, _LOW_K, EXACT_FROM_M, MAX_K
 from .w4a16 import split_buffers
 from .w4a16_swap import _CHUNK, CHUNK
 from .w4a16_wgmma import (
@@ -36,8 +39,12 @@ from .w4a16_wgmma import (
 
 
 @gluon.jit
-def _slice_x16(b, j: gl.constexpr):
-    """Slice j (0: high nibbles, inputs 0..31 of a chunk; 1: low, 32..63) of the int8 weight tile as 16 (q - 8)."""
+def _slice(b, k, c, j: gl.constexpr, TWO_LEVEL: gl.constexpr):
+    """Slice j (0: high nibbles, inputs 0..31 of a chunk; 1: low, 32..63) of the int8 weight tile: 16 (q - 8), or
+    (two-level) (q - 8) k with k and c = (128 - 8 k) * 0x01010101 broadcast along the rows."""
+    if TWO_LEVEL:
+        return gl.inline_asm_elementwise(_HIGH_K if j == 0 else _LOW_K, _K_CONSTRAINTS, [b, k, c], dtype=gl.int8,
+                                         is_pure=True, pack=4)
     return gl.inline_asm_elementwise(_HIGH if j == 0 else _LOW, "=r,r", [b], dtype=gl.int8, is_pure=True, pack=4)
 
 
@@ -49,51 +56,63 @@ def _w4a8_wgmma_kernel(x_desc, w_desc, ts_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = 2 * w_desc.block_type.shape[1]
     CHUNKS: gl.constexpr = BLOCK_K // _CHUNK
+    DRAIN: gl.constexpr = TWO_LEVEL and BLOCK_M < EXACT_FROM_M
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 32])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
-    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    if DRAIN:  # the group multipliers scale a drained tile, else the weight registers
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        tile = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, acc_layout)
+    else:
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
 
     # PDL: launched while quantize_rows runs; the ring's first weight tiles load before waiting for its x
     units, tiles, grid_n, grid_m, w_smem, x_smem, bars = _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K,
                                                                          STAGES, PDL)
     pid, programs = gl.program_id(0), gl.num_programs(0)
-    tile = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, acc_layout)  # two-level: a K tile's own accumulator
+    # zeroed once: a unit's first mma ignores it (use_acc); see w4a16_wgmma.py (ptxas's C7515)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, acc_layout)
     f = 0
     for u in range(pid, units, programs):
         off_n, off_m, pid_k, out_tile = _unit(u, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
         nxt_n, nxt_m, nxt_k, _ = _unit(u + programs, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
         more = u + programs < units
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, acc_layout)
+        if DRAIN:  # there acc is no mma's accumulator
+            acc = gl.zeros_like(acc)
         for kt in range(tiles):
             stage = f % STAGES
-            if TWO_LEVEL:  # this tile's integer group multipliers, loaded before the data wait
-                k = gl.load(gs_ptr + ((pid_k + kt * SPLIT_K) * BLOCK_K // GROUP) * N + off_n + rows).to(gl.int32)
+            if TWO_LEVEL:  # this tile's integer group multipliers (broadcast along the rows), before the data wait
+                group = (pid_k + kt * SPLIT_K) * BLOCK_K // GROUP
+                k = gl.expand_dims(gl.load(gs_ptr + group * N + off_n + rows).to(gl.int32), 1)
+                c = k * -134744072 + -2139062144  # (128 - 8 k) * 0x01010101, in wrapping int32 arithmetic
+            else:
+                k = 0
+                c = 0
             mbarrier.wait(bars.index(stage), (f // STAGES) & 1)
-            for c in gl.static_range(CHUNKS):
-                b8 = w_smem.index(stage).slice(32 * c, 32, dim=1).load(a_layout)
+            for ch in gl.static_range(CHUNKS):
+                b8 = w_smem.index(stage).slice(32 * ch, 32, dim=1).load(a_layout)
                 for j in gl.static_range(2):
-                    a = _slice_x16(b8, j)
-                    xt = x_smem.index(stage * CHUNKS + c).slice(32 * j, 32, dim=1).permute((1, 0))
+                    xt = x_smem.index(stage * CHUNKS + ch).slice(32 * j, 32, dim=1).permute((1, 0))
                     # (int8 registers cannot be threaded through the wait in Triton 3.6; ptxas keeps an in-flight
                     # wgmma's registers live, which it reports when it has to serialize: it does not here)
-                    if TWO_LEVEL:
-                        tile = warpgroup_mma(a, xt, tile, use_acc=c + j > 0, is_async=True)
+                    if DRAIN:
+                        tile = warpgroup_mma(_slice(b8, k, c, j, False), xt, tile, use_acc=ch + j > 0, is_async=True)
                         tile = warpgroup_mma_wait(num_outstanding=1, deps=(tile,))
                     else:
-                        acc = warpgroup_mma(a, xt, acc, is_async=True)
+                        acc = warpgroup_mma(_slice(b8, k, c, j, TWO_LEVEL), xt, acc, use_acc=kt > 0 or ch + j > 0,
+                                            is_async=True)
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    if c == 0 and j == 0:  # the previous iteration's mmas are done: its stage takes f + STAGES - 1
+                    if ch == 0 and j == 0:  # the previous iteration's mmas are done: its stage takes f + STAGES - 1
                         if num_warps > 4:
                             _cta_barrier()
                         n_, m_, k_, kt_ = _ahead(kt, STAGES - 1, tiles, (off_n, off_m, pid_k), (nxt_n, nxt_m, nxt_k))
                         _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, (f + STAGES - 1) % STAGES, n_, m_,
                                     (k_ + kt_ * SPLIT_K) * BLOCK_K, more | (kt + STAGES - 1 < tiles), CHUNKS)
-            if TWO_LEVEL:  # 16 (q - 8) . x is divisible by 16: shifted back exactly, times the group's multiplier
+            if DRAIN:  # 16 (q - 8) . x is divisible by 16: shifted back exactly, times the group's multiplier
                 tile = warpgroup_mma_wait(num_outstanding=0, deps=(tile,))
-                acc += (tile >> 4) * gl.expand_dims(k, 1)
+                acc += (tile >> 4) * k
             f += 1
-        if not TWO_LEVEL:  # (two-level: each K tile's mmas were drained already)
+        if not DRAIN:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         _store_tile(acc, out_ptr, part_ptr, count_ptr, bias_ptr, cs_ptr, ts_ptr, M, N, off_n, off_m, pid_k, out_tile,
                     SPLIT_K, 1.0 if TWO_LEVEL else 0.0625, IS_SPLIT, HAS_BIAS, True, True, BLOCK_N, BLOCK_M,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 from collections import Counter
 
@@ -112,9 +114,15 @@ def run_ptx(asm: str, words: torch.Tensor, dtype: torch.dtype = torch.float16,
             regs[dst] = (a[0] << a[1]) & 0xFFFFFFFF
         elif op == "and.b32":
             regs[dst] = a[0] & a[1]
-        elif op == "lop3.b32":
-            assert src[3] == "0xEA"  # (a & b) | c
-            regs[dst] = (a[0] & a[1]) | a[2]
+        elif op == "lop3.b32":  # any function of three inputs, given by its truth table on 0xF0, 0xCC, 0xAA
+            full, lut = 0xFFFFFFFF, int(src[3], 0)
+            terms = [(a[0] if i & 4 else full ^ a[0]) & (a[1] if i & 2 else full ^ a[1]) & (a[2] if i & 1 else full ^ a[2])
+                     for i in range(8) if lut >> i & 1]
+            regs[dst] = functools.reduce(operator.or_, terms, torch.zeros_like(a[0]))
+        elif op == "xor.b32":
+            regs[dst] = a[0] ^ a[1]
+        elif op == "mad.lo.u32":
+            regs[dst] = (a[0] * a[1] + a[2]) & 0xFFFFFFFF
         elif op in ("sub.f16x2", "mul.rn.f16x2", "fma.rn.f16x2", "fma.rn.bf16x2"):
             h = [halves(v, dtype) for v in a]
             regs[dst] = pair_bits(h[0] - h[1] if op.startswith("sub") else h[0] * h[1] if op.startswith("mul")

@@ -10,7 +10,9 @@ import pytest
 import torch
 from quantkit.kernels.w4a8_swap import (
     _HIGH,
+    _HIGH_K,
     _LOW,
+    _LOW_K,
     repack_for_w4a8_swap,
     w4a8_swap_matmul,
     w4a8_swap_supported,
@@ -65,10 +67,27 @@ def test_slices_are_sixteen_times_code_minus_eight() -> None:
             assert torch.equal(signed, 16 * ((nibble ^ 8) - 8)), asm
 
 
+def test_two_level_slices_are_qqq_int8_weights() -> None:
+    """Both two-level PTX slices on every byte value in every byte position, for every multiplier k in 0..16 (with
+    the byte offsets the kernels pass): the int8 (q - 8) k of the high / low nibble, no carry between bytes."""
+    values = torch.arange(256, dtype=torch.int64)
+    for k in range(17):
+        regs = {"$2": torch.full_like(values, k), "$6": torch.full_like(values, (128 - 8 * k) * 0x01010101)}
+        for position in range(4):
+            words = values << (8 * position) | (values.flip(0) << (8 * ((position + 1) % 4)))
+            for asm, nibble in ((_HIGH_K.value, values >> 4), (_LOW_K.value, values & 0xF)):
+                out = run_ptx(asm, words, inputs=regs)
+                for shift, codes in ((8 * position, nibble), (8 * ((position + 1) % 4), nibble.flip(0))):
+                    byte = (out >> shift) & 0xFF
+                    assert torch.equal(torch.where(byte >= 128, byte - 256, byte), ((codes ^ 8) - 8) * k), (k, asm)
+
+
 def test_supported_layers() -> None:
     integer = torch.randint(1, 17, (32, 4096)).half()
     assert w4a8_swap_supported(4096, 4096, 128, True, integer) and w4a8_swap_supported(4096, 4096, 4096, True, None)
     assert not w4a8_swap_supported(4096, 4096, 128, True, integer + 0.5)  # QQQ-reference fractional scales
+    assert not w4a8_swap_supported(4096, 4096, 128, True, integer + 1)  # 17: (q - 8) k leaves int8
+    assert not w4a8_swap_supported(4096, 4096, 128, True, -integer)  # negative: the slices' bytes would borrow
     assert not w4a8_swap_supported(4096, 4096, 128, False, integer)  # zero points
     assert not w4a8_swap_supported(4096, 4096, 32, True, integer)  # a group inside a 64-input chunk
     assert not w4a8_swap_supported(4096, 4160 + 8, 128, True, integer)
@@ -88,7 +107,8 @@ def test_matches_int8_reference(dtype: torch.dtype, group: int) -> None:
     channel = layer.channel_scales if two_level else layer.scales[0].float()
     for m, config in [(1, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1)),
                       (19, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2)),  # two M blocks, split K
-                      (5, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, SPLIT_K=4))]:
+                      (5, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, SPLIT_K=4)),
+                      (3, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SPLIT_K=2))]:  # two-level: exact int8 slices
         if two_level:
             config = {**config, "BLOCK_K": min(config["BLOCK_K"], group)}
         x = (3 * torch.randn(m, 256, generator=torch.Generator().manual_seed(m))).to(dtype)
@@ -110,9 +130,11 @@ def test_one_group_over_all_of_k_folds_its_multiplier_into_the_channel_scale() -
     assert relative_error(out, reference_w4a8(layer, x)) < TOLERANCE[torch.float16]
 
 
-def test_int32_result_is_exact() -> None:
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_int32_result_is_exact(block_m: int) -> None:
     """Before the float epilogue the kernel's sum is QQQ's int8 dot product exactly: with a unit token scale,
-    a power-of-two channel scale and integer activations, the output is the integer reference rounded once."""
+    a power-of-two channel scale and integer activations, the output is the integer reference rounded once
+    (16-token tiles: drained per K tile and scaled by k; 64: QQQ's int8 weights made in registers)."""
     layer = qqq_layer(512, 64, 128, torch.float16, seed=1)
     packed = repack_for_w4a8_swap(layer.qweight)
     x = torch.randint(-127, 128, (3, 512)).float()
@@ -121,21 +143,25 @@ def test_int32_result_is_exact() -> None:
     w = q * layer.scales.to(torch.int64).repeat_interleave(128, dim=0)
     exact = x.to(torch.int64) @ w
     out = w4a8_swap_matmul(x.half(), packed, torch.full((64,), 2.0**-10), layer.scales, None, 128,
-                           dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1) | _LAUNCH)
+                           dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1) | _LAUNCH)
     assert exact.abs().max() > 2**17 and out.isfinite().all()  # far beyond fp16 integers (2**11), fp32-exact
     assert torch.equal(out, (exact.double() * 2.0**-10).half())
 
 
 SWAP_COMPILE = REGISTER_OPERAND_CHECK + """
 from quantkit.kernels.w4a8_swap import _w4a8_swap_kernel as fn
-for two_level, split in ((True, 4), (False, 1)):
+for two_level, split, bm in ((True, 4, 16), (True, 1, 64), (False, 1, 16)):
     sig = {"xq_ptr": "*i8", "ts_ptr": "*fp32", "b_ptr": "*i8", "cs_ptr": "*fp32", "gs_ptr": "*fp16",
            "bias_ptr": "*fp16", "out_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
            "N": "i32", "K": "i32"}
-    consts = dict(GROUP=128, TWO_LEVEL=two_level, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
+    consts = dict(GROUP=128, TWO_LEVEL=two_level, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=128, BLOCK_K=128,
                   SPLIT_K=split, PTX=True, PDL=two_level)
-    ptx = check_register_operand(fn, sig, consts, r"wgmma.mma_async.sync.aligned.m64n16k32.s32.s8.s8", "0xF0F0F0F0")
+    # the slices: 16 (q - 8) by a mask, or (two-level, 64 tokens) QQQ's (q - 8) k by a multiply-add per four weights
+    exact = two_level and bm >= 64
+    marker = "mad.lo.u32 t, u," if exact else "0xF0F0F0F0"
+    ptx = check_register_operand(fn, sig, consts, rf"wgmma.mma_async.sync.aligned.m64n{bm}k32.s32.s8.s8", marker)
     assert ("griddepcontrol.wait" in ptx) == two_level  # PDL: waits for the quantization kernel's x
+    assert ("mad.lo.u32 t, u," in ptx) == exact
 
 from quantkit.kernels.w4a8 import _quantize_rows_kernel as quantize
 sig = {"x_ptr": "*fp16", "xq_ptr": "*i8", "scale_ptr": "*fp32", "sum_ptr": "*i32", "K": "i32", "SEGMENT": "i32"}

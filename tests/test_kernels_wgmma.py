@@ -64,11 +64,17 @@ def check8(bm, bn, warps, two_level, split):
     mma = re.findall(r"wgmma.mma_async.sync.aligned.m64n(\\d+)k32.s32.s8.s8 [{][^}]*[}], [{]", ptx)
     assert len(mma) == (bn // 64) // (warps // 4) * 4 and set(mma) == {str(bm)}, (mma, consts)  # BLOCK_K 128
     waits = re.findall(r"wgmma.wait_group.sync.aligned (\\d+)", ptx)
-    # one in flight per slice; one drain: per unit, or (two-level) per K tile's int32 tile for its group multiplier
+    # one in flight per slice and a single drain per unit, or (two-level, fewer than 64 tokens) per K tile's int32
+    # tile for its group multiplier; from 64 tokens two-level slices are QQQ's exact int8 (q - 8) k by one
+    # multiply-add per register of weights (4 per 64 x 32 slice, 4 slices per K tile)
+    exact = two_level and bm >= 64
     assert waits.count("1") == 4 and waits.count("0") == 1, waits
-    assert "cp.async.bulk.tensor" in ptx and "and.b32" in ptx and ("atom" in ptx) == split and kernel.asm["cubin"]
+    assert ptx.count("mad.lo.u32 t, u,") == (16 * (bn // 64) // (warps // 4) if exact else 0)
+    assert exact or "0xF0F0F0F0" in ptx
+    assert "cp.async.bulk.tensor" in ptx and ("atom" in ptx) == split and kernel.asm["cubin"]
 
 check8(16, 128, 4, True, True)
+check8(128, 128, 4, True, False)
 check8(64, 256, 8, False, False)
 print("compiled")
 """
@@ -76,8 +82,8 @@ print("compiled")
 
 def test_wgmma_kernels_compile_to_async_register_operand_wgmma_for_sm90() -> None:
     """What the kernels exist for, on their sm_90 compile (Triton's bundled ptxas, no GPU): register-operand wgmma
-    with the tokens as its N, one mma left in flight per slice (wait_group 1) and a single drain (W4A8 two-level: one
-    per K tile), TMA copies behind mbarriers, the slice PTX assembled; W4A16 fp16 / bf16, per channel / groups, zero
+    with the tokens as its N, one mma left in flight per slice (wait_group 1) and a single drain (W4A8 two-level
+    under 64 tokens: one per K tile), TMA copies behind mbarriers, the slice PTX assembled; W4A16 fp16 / bf16, per channel / groups, zero
     points, split K, 8 warps; W4A8 int8 two-level / per channel, its weight TMAs ahead of waiting for x (PDL)."""
     compile_for_sm90(WGMMA_COMPILE)
 
