@@ -187,8 +187,8 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
 # 128-byte rows). W4A16: the H200 sweeps' winners (benchmarks/kernels/sweep_wgmma_*_2026-12-04.md; 32 and 128
 # interpolated; since the unit loop, 128-input K tiles win at 16 and 256 tokens: sweep_wgmma_bk128_2026-12-04.md);
 # W4A8: BK 128 (a K tile inside a QQQ group of 128). 8 tokens (M <= 8): timed after the gemvs and the swap kernel.
-# From 256 tokens also 8-warp 128 x 128 (W4A8) and 256 x 128 x 128 (W4A16) tiles, which ptxas fits without spills since
-# the kernels stopped serializing their wgmmas (log_ab_acc_once_2026-12-04.txt).
+# W4A8 from 256 tokens also 8-warp 128 x 128 tiles, which ptxas fits without spills since the kernels stopped
+# serializing their wgmmas (log_ab_acc_once_2026-12-04.txt).
 WGMMA_TILES = {
     "w4a16": {
         8: ((8, 128, 128, 4, 4), (8, 256, 128, 8, 4), (8, 128, 64, 4, 6), (8, 64, 128, 4, 6)),
@@ -197,7 +197,7 @@ WGMMA_TILES = {
         64: ((64, 64, 128, 4, 4), (64, 128, 64, 4, 6), (64, 256, 128, 8, 3), (64, 256, 64, 4, 4)),
         128: ((128, 128, 64, 4, 3), (64, 128, 64, 4, 6), (64, 256, 128, 8, 3)),
         256: ((256, 64, 64, 4, 3), (128, 128, 64, 4, 3), (256, 128, 64, 8, 3), (128, 128, 128, 4, 3),
-              (128, 256, 128, 8, 3), (256, 128, 128, 8, 3)),
+              (128, 256, 128, 8, 3)),
     },
     "w4a8": {
         8: ((8, 128, 128, 4, 4), (8, 256, 128, 8, 4), (8, 64, 128, 4, 6)),

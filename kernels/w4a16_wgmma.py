@@ -38,6 +38,7 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _F0, _F1, _F2, _F3 = (gl.constexpr(_slice_ptx(j, "fp16")) for j in range(4))
 _B0, _B1, _B2, _B3 = (gl.constexpr(_slice_ptx(j, "bf16")) for j in range(4))
+UNIT_GROUP_M = gl.constexpr(8)  # token tiles per band of units (_unit)
 
 
 @gluon.jit
@@ -126,10 +127,16 @@ def _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K: gl.constexpr, STAG
 
 @gluon.jit
 def _unit(u, units, grid_n, grid_m, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Work unit u (clamped to the last) -> (off_n, off_m, pid_k, output tile): n fastest, so the programs running
-    together share x's tile and K range."""
+    """Work unit u (clamped to the last) -> (off_n, off_m, pid_k, output tile). Within a K split, bands of up to
+    UNIT_GROUP_M token tiles, token tile fastest: the programs running together read each weight tile once from DRAM
+    for the whole band (n fastest re-streamed a weight larger than the L2, e.g. 8B gate_up's 59 MB, once per token
+    tile) and share x's band, which stays in the L2."""
     u = gl.minimum(u, units - 1)
-    pid_n, pid_m = u % grid_n, (u // grid_n) % grid_m
+    t = u % (grid_n * grid_m)
+    band = UNIT_GROUP_M * grid_n  # units per band of token tiles
+    first_m = t // band * UNIT_GROUP_M
+    band_m = gl.minimum(grid_m - first_m, UNIT_GROUP_M)
+    pid_m, pid_n = first_m + t % band % band_m, t % band // band_m
     return pid_n * BLOCK_N, pid_m * BLOCK_M, u // (grid_n * grid_m), pid_m * grid_n + pid_n
 
 
