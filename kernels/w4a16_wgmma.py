@@ -38,7 +38,6 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _F0, _F1, _F2, _F3 = (gl.constexpr(_slice_ptx(j, "fp16")) for j in range(4))
 _B0, _B1, _B2, _B3 = (gl.constexpr(_slice_ptx(j, "bf16")) for j in range(4))
-UNIT_GROUP_M = gl.constexpr(8)  # token tiles per band of units (_unit)
 
 
 @gluon.jit
@@ -109,7 +108,7 @@ def _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K: gl.conste
 
 
 @gluon.jit
-def _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+def _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, BAND: gl.constexpr,
                    X_AFTER_PRIOR_GRID: gl.constexpr = False):
     """Program p takes the units (output tile, K split) p, p + programs, ..., its TMA ring running on across them
     (the next unit's tiles load during this one's last mmas and epilogue); launched with one program per unit:
@@ -119,24 +118,21 @@ def _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K: gl.constexpr, STAG
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     grid_n, grid_m = N // BLOCK_N, gl.cdiv(M, BLOCK_M)
     units = grid_n * grid_m * SPLIT_K
-    off_n, off_m, pid_k, _ = _unit(gl.program_id(0), units, grid_n, grid_m, BLOCK_N, BLOCK_M)
+    off_n, off_m, pid_k, _ = _unit(gl.program_id(0), units, grid_n, grid_m, BLOCK_N, BLOCK_M, BAND)
     w_smem, x_smem, bars = _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K, STAGES,
                                        X_AFTER_PRIOR_GRID)
     return units, K // BLOCK_K // SPLIT_K, grid_n, grid_m, w_smem, x_smem, bars
 
 
 @gluon.jit
-def _unit(u, units, grid_n, grid_m, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Work unit u (clamped to the last) -> (off_n, off_m, pid_k, output tile). Within a K split, bands of up to
-    UNIT_GROUP_M token tiles, token tile fastest: the programs running together read each weight tile once from DRAM
-    for the whole band (n fastest re-streamed a weight larger than the L2, e.g. 8B gate_up's 59 MB, once per token
-    tile) and share x's band, which stays in the L2."""
+def _unit(u, units, grid_n, grid_m, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BAND: gl.constexpr):
+    """Work unit u (clamped to the last) -> (off_n, off_m, pid_k, output tile). Within a K split, bands of up to BAND
+    token tiles, token tile fastest (BAND 1: n fastest); see unit_band."""
     u = gl.minimum(u, units - 1)
     t = u % (grid_n * grid_m)
-    band = UNIT_GROUP_M * grid_n  # units per band of token tiles
-    first_m = t // band * UNIT_GROUP_M
-    band_m = gl.minimum(grid_m - first_m, UNIT_GROUP_M)
-    pid_m, pid_n = first_m + t % band % band_m, t % band // band_m
+    first_m = t // (BAND * grid_n) * BAND
+    band_m = gl.minimum(grid_m - first_m, BAND)
+    pid_m, pid_n = first_m + t % (BAND * grid_n) % band_m, t % (BAND * grid_n) // band_m
     return pid_n * BLOCK_N, pid_m * BLOCK_M, u // (grid_n * grid_m), pid_m * grid_n + pid_n
 
 
@@ -162,7 +158,7 @@ def _row_params(s_ptr, z_ptr, k0, N, offs_n, GROUP: gl.constexpr, HAS_ZEROS: gl.
 def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                         GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
                         HAS_BIAS: gl.constexpr, SPLIT_K, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        BAND: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = 4 * w_desc.block_type.shape[1]
@@ -175,9 +171,9 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
 
     units, tiles, grid_n, grid_m, w_smem, x_smem, bars = _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K,
-                                                                         STAGES)
+                                                                         STAGES, BAND)
     pid, programs = gl.program_id(0), gl.num_programs(0)
-    off_n, off_m, pid_k, out_tile = _unit(pid, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
+    off_n, off_m, pid_k, out_tile = _unit(pid, units, grid_n, grid_m, BLOCK_N, BLOCK_M, BAND)
     s, zc = _row_params(s_ptr, z_ptr, pid_k * BLOCK_K, N, off_n + rows, GROUP, HAS_ZEROS, dtype)
     a_prev = gl.zeros([BLOCK_N, 16], dtype, a_layout)
     # zeroed once: a unit's first mma ignores it (use_acc). A zeroing inside the loops is an instruction other than
@@ -185,8 +181,8 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
     f = 0  # this program's K tiles so far: the ring position
     for u in range(pid, units, programs):
-        off_n, off_m, pid_k, out_tile = _unit(u, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
-        nxt_n, nxt_m, nxt_k, _ = _unit(u + programs, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
+        off_n, off_m, pid_k, out_tile = _unit(u, units, grid_n, grid_m, BLOCK_N, BLOCK_M, BAND)
+        nxt_n, nxt_m, nxt_k, _ = _unit(u + programs, units, grid_n, grid_m, BLOCK_N, BLOCK_M, BAND)
         more = u + programs < units
         for kt in range(tiles):
             stage = f % STAGES
@@ -292,6 +288,19 @@ def launch_grid(m: int, n: int, k: int, group_size: int, config: dict) -> tuple[
     return tiles * split, tiles
 
 
+def unit_band(n: int, block_n: int, sm_count: int) -> int:
+    """Token tiles per band of units (_unit, token tile fastest inside a band). 8 when a token tile's row of units
+    outnumbers half the SMs: the programs running together (about two per SM) then span fewer than four token tiles,
+    and with n fastest a weight larger than the L2 (8B / 70B gate_up) streams from DRAM once per token tile; in bands
+    it is read once per band. Else 1 (n fastest): there the programs running together span several token tiles
+    already, and bands measured up to 9% slower (H200: benchmarks/kernels/log_ab_unit_bands_2026-12-04.txt)."""
+    return 8 if n // block_n > sm_count // 2 else 1
+
+
+def device_unit_band(n: int, block_n: int, device: torch.device) -> int:
+    return unit_band(n, block_n, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A TMA descriptor of t (2D, row-major) with boxes of `block`, in the swizzled layout wgmma reads."""
     layout = gl.NVMMASharedLayout.get_default_for(block, {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16,
@@ -314,5 +323,6 @@ def w4a16_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
         descriptor(x, [block_m, CHUNK]), descriptor(packed, [block_n, block_k // 4]), scales,
         zeros if zeros is not None else scales, bias if bias is not None else scales, out, part, counters, m, n, k,
         GROUP=group_size, PER_CHANNEL=group_size == k, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
-        SPLIT_K=split, IS_SPLIT=split > 1, STAGES=config["num_stages"], num_warps=config["num_warps"])
+        SPLIT_K=split, IS_SPLIT=split > 1, STAGES=config["num_stages"],
+        BAND=device_unit_band(n, block_n, x.device), num_warps=config["num_warps"])
     return out

@@ -34,6 +34,7 @@ from .w4a16_wgmma import (
     _store_tile,
     _unit,
     descriptor,
+    device_unit_band,
     launch_grid,
 )
 
@@ -51,7 +52,8 @@ def _slice(b, k, c, j: gl.constexpr, TWO_LEVEL: gl.constexpr):
 @gluon.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w4a8_wgmma_kernel(x_desc, w_desc, ts_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                        GROUP: gl.constexpr, TWO_LEVEL: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K,
-                       IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+                       IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, BAND: gl.constexpr, PDL: gl.constexpr,
+                       num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = 2 * w_desc.block_type.shape[1]
@@ -68,14 +70,14 @@ def _w4a8_wgmma_kernel(x_desc, w_desc, ts_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr
 
     # PDL: launched while quantize_rows runs; the ring's first weight tiles load before waiting for its x
     units, tiles, grid_n, grid_m, w_smem, x_smem, bars = _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K,
-                                                                         STAGES, PDL)
+                                                                         STAGES, BAND, PDL)
     pid, programs = gl.program_id(0), gl.num_programs(0)
     # zeroed once: a unit's first mma ignores it (use_acc); see w4a16_wgmma.py (ptxas's C7515)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, acc_layout)
     f = 0
     for u in range(pid, units, programs):
-        off_n, off_m, pid_k, out_tile = _unit(u, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
-        nxt_n, nxt_m, nxt_k, _ = _unit(u + programs, units, grid_n, grid_m, BLOCK_N, BLOCK_M)
+        off_n, off_m, pid_k, out_tile = _unit(u, units, grid_n, grid_m, BLOCK_N, BLOCK_M, BAND)
+        nxt_n, nxt_m, nxt_k, _ = _unit(u + programs, units, grid_n, grid_m, BLOCK_N, BLOCK_M, BAND)
         more = u + programs < units
         if DRAIN:  # there acc is no mma's accumulator
             acc = gl.zeros_like(acc)
@@ -141,6 +143,6 @@ def w4a8_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: tor
         descriptor(xq, [block_m, CHUNK]), descriptor(packed, [block_n, block_k // 2]), ts, channel_scales,
         group_scales if two_level else channel_scales, bias if bias is not None else channel_scales, out, part,
         counters, m, n, k, GROUP=group_size, TWO_LEVEL=two_level, HAS_BIAS=bias is not None, SPLIT_K=split,
-        IS_SPLIT=split > 1, STAGES=config["num_stages"], num_warps=config["num_warps"],
-        **dependent_launch_args(x.device))
+        IS_SPLIT=split > 1, STAGES=config["num_stages"], BAND=device_unit_band(n, block_n, x.device),
+        num_warps=config["num_warps"], **dependent_launch_args(x.device))
     return out

@@ -8,7 +8,7 @@ import pytest
 import torch
 from quantkit.kernels.autotune import candidates
 from quantkit.kernels.w4a8_wgmma import w4a8_wgmma_matmul
-from quantkit.kernels.w4a16_wgmma import launch_grid, w4a16_wgmma_matmul, wgmma_fits, wgmma_split
+from quantkit.kernels.w4a16_wgmma import launch_grid, unit_band, w4a16_wgmma_matmul, wgmma_fits, wgmma_split
 from test_kernels_w4a16 import compile_for_sm90
 
 WGMMA_COMPILE = """
@@ -28,7 +28,7 @@ def check(dtype, bm, bn, bk, warps, per_channel, zeros, split):
            "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32"}
     sig = {**sig, **{name: "constexpr" for name in fn.arg_names if name not in sig}}
     consts = dict(GROUP=4096 if per_channel else 128, PER_CHANNEL=per_channel, HAS_ZEROS=zeros, HAS_BIAS=True,
-                  IS_SPLIT=split, STAGES=4, num_warps=warps)
+                  IS_SPLIT=split, STAGES=4, BAND=8 if split else 1, num_warps=warps)
     kernel = compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = kernel.asm["ptx"]
     mma = re.findall(r"wgmma.mma_async.sync.aligned.m64n(\\d+)k16.f32.(\\w+).(\\w+) [{][^}]*[}], [{]", ptx)
@@ -54,8 +54,8 @@ def check8(bm, bn, warps, two_level, split):
            "ts_ptr": "*fp32", "cs_ptr": "*fp32", "gs_ptr": "*fp16", "bias_ptr": "*fp16", "out_ptr": "*fp16",
            "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32"}
     sig = {**sig, **{name: "constexpr" for name in fn8.arg_names if name not in sig}}
-    consts = dict(GROUP=128, TWO_LEVEL=two_level, HAS_BIAS=True, IS_SPLIT=split, STAGES=4, PDL=two_level,
-                  num_warps=warps)
+    consts = dict(GROUP=128, TWO_LEVEL=two_level, HAS_BIAS=True, IS_SPLIT=split, STAGES=4, BAND=1 if split else 8,
+                  PDL=two_level, num_warps=warps)
     kernel = compile(GluonASTSource(fn8, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = kernel.asm["ptx"]
     # PDL: the ring's first weight tiles are issued before waiting for the quantization kernel (x comes after)
@@ -108,6 +108,13 @@ def test_wgmma_configs_are_timed_on_hopper_only() -> None:
         assert all(c["BLOCK_M"] <= max(16, m) for c in wgmma)  # wgmma's N never wider than the tokens
     g64 = [c for c in candidates("w4a16", 64, 4096, 4096, 64, True, True) if c["kernel"] == "wgmma"]
     assert g64 and all(c["BLOCK_K"] == 64 for c in g64)  # a K tile inside one group
+
+
+def test_units_go_in_bands_of_token_tiles_only_for_wide_layers() -> None:
+    """Bands where a token tile's row of units outnumbers half the SMs (H200: 132): the gate_up shapes."""
+    assert unit_band(28672, 128, 132) == 8 and unit_band(57344, 256, 132) == 8 and unit_band(28672, 256, 132) == 8
+    assert unit_band(4096, 128, 132) == 1 and unit_band(6144, 128, 132) == 1 and unit_band(8192, 128, 132) == 1
+    assert unit_band(8192, 64, 132) == 8 and unit_band(8192, 64, 256) == 1  # the SM count moves the line
 
 
 def test_k_splits_give_every_unit_the_same_k_tiles() -> None:
