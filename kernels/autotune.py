@@ -173,12 +173,14 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
                swapped + swap_gemv + firsts + gemv)
     elif swap:  # W4A8 at M = 128..512
         out += swap_candidates(scheme, m, n, k, group)
-    if swap and hopper:  # W4A16: it won every M = 64 / 256 cell but three (swap: 4 of 6 at 16)
-        wgmma = wgmma_candidates(scheme, m, n, k, group)
-        out = wgmma + out if scheme == "w4a16" and 32 <= b <= 512 else out + wgmma
     if b >= 256:
         big = "dequant_mm" if scheme == "w4a16" else "int_mm"
         out.insert(0 if b >= 1024 else len(out), dict(kernel=big))
+    if swap and hopper:  # W4A16: it won every M = 64 / 256 cell but three (swap: 4 of 6 at 16); W4A8: every cell from
+        # 256 tokens on, int8 cuBLAS included (kernels/results_w4a8_exact_2026-12-04.md)
+        wgmma = wgmma_candidates(scheme, m, n, k, group)
+        lead = 32 <= b <= 512 if scheme == "w4a16" else b >= 256
+        out = wgmma + out if lead else out + wgmma
     return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm") or _fits(c, k, group)]
 
 

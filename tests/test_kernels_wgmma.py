@@ -106,6 +106,9 @@ def test_wgmma_configs_are_timed_on_hopper_only() -> None:
         wgmma = [c for c in options if c["kernel"] == "wgmma"]
         assert all(wgmma_fits(14336, 4096, 128, c["BLOCK_N"], c["BLOCK_K"]) for c in wgmma)
         assert all(c["BLOCK_M"] <= max(16, m) for c in wgmma)  # wgmma's N never wider than the tokens
+    for m in (256, 1024, 4096):  # W4A8 from 256 tokens: the Gluon kernel first on Hopper, int8 cuBLAS elsewhere
+        assert candidates("w4a8", m, 4096, 14336, 128, True, True)[0]["kernel"] == "wgmma"
+        assert candidates("w4a8", m, 4096, 14336, 128, True, False)[0]["kernel"] == ("int_mm" if m >= 1024 else "gemm")
     g64 = [c for c in candidates("w4a16", 64, 4096, 4096, 64, True, True) if c["kernel"] == "wgmma"]
     assert g64 and all(c["BLOCK_K"] == 64 for c in g64)  # a K tile inside one group
 
