@@ -298,6 +298,7 @@ def unit_band(n: int, block_n: int, sm_count: int) -> int:
 
 
 def device_unit_band(n: int, block_n: int, device: torch.device) -> int:
+    """unit_band for the GPU the kernel runs on."""
     return unit_band(n, block_n, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
