@@ -59,9 +59,10 @@ def test_layers_run_the_swap_kernel_through_quantlinear(monkeypatch, act_bits, g
     configs, real = [], getattr(mod, name)
     monkeypatch.setattr(mod, name, lambda *args: configs.append(args[-1]) or real(*args))
     forward = make_kernel_forward(layer)
-    x = torch.randn(5, 256, dtype=torch.float16)
-    assert relative_error(forward(x), layer.reference_forward(x).double()) < 2e-3
-    assert [c["kernel"] for c in configs] == ["swap"]
+    for m in (5, 64):  # W4A8 two-level: 64-token tiles make QQQ's int8 weights in registers, 16-token ones drain
+        x = torch.randn(m, 256, dtype=torch.float16)
+        assert relative_error(forward(x), layer.reference_forward(x).double()) < 2e-3
+    assert [(c["kernel"], c["BLOCK_M"]) for c in configs] == [("swap", 16), ("swap", 64)]
     if two_level:  # fractional group scales (a QQQ-reference checkpoint): the other kernels
         layer.scales.add_(0.5)
         assert swap_weight_for(layer, True) is None
