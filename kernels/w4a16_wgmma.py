@@ -129,10 +129,13 @@ def _unit(u, units, grid_n, grid_m, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr
     """Work unit u (clamped to the last) -> (off_n, off_m, pid_k, output tile). Within a K split, bands of up to BAND
     token tiles, token tile fastest (BAND 1: n fastest); see unit_band."""
     u = gl.minimum(u, units - 1)
-    t = u % (grid_n * grid_m)
-    first_m = t // (BAND * grid_n) * BAND
-    band_m = gl.minimum(grid_m - first_m, BAND)
-    pid_m, pid_n = first_m + t % (BAND * grid_n) % band_m, t % (BAND * grid_n) // band_m
+    if BAND == 1:  # (its own branch: the general one holds more registers, which spilled in the large tiles)
+        pid_n, pid_m = u % grid_n, (u // grid_n) % grid_m
+    else:
+        t = u % (grid_n * grid_m)
+        first_m = t // (BAND * grid_n) * BAND
+        band_m = gl.minimum(grid_m - first_m, BAND)
+        pid_m, pid_n = first_m + t % (BAND * grid_n) % band_m, t % (BAND * grid_n) // band_m
     return pid_n * BLOCK_N, pid_m * BLOCK_M, u // (grid_n * grid_m), pid_m * grid_n + pid_n
 
 

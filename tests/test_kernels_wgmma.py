@@ -12,49 +12,27 @@ from quantkit.kernels.w4a16_wgmma import launch_grid, unit_band, w4a16_wgmma_mat
 from test_kernels_w4a16 import compile_for_sm90
 
 WGMMA_COMPILE = """
-import os
 import re
-import subprocess
-import tempfile
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import compile
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
-from quantkit.kernels.w4a16_wgmma import _w4a16_wgmma_kernel as fn
+from quantkit.kernels.sm90 import ptxas_report, w4a8_wgmma_ptx, w4a16_wgmma_ptx
 
 def assert_wgmma_not_serialized(ptx):
-    \"\"\"ptxas serializes every wgmma of a kernel when another instruction writes an accumulator between a wgmma and its
-    wait (warning C7515: e.g. zeroing it at the top of each unit); the kernels zero it once and use use_acc.
-    (Triton 3.6's PTX of the earlier kernels, the H200's, drew the warning; 3.9's of the same source does not.)\"\"\"
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
-                         text=True)
-    os.unlink(f.name)
-    assert run.returncode == 0 and "registers" in run.stderr, run.stderr[-2000:]
-    assert "C7515" not in run.stderr, run.stderr[-2000:]
+    # ptxas serializes every wgmma of a kernel when another instruction writes an accumulator between a wgmma and its
+    # wait (C7515: e.g. zeroing it at the top of each unit); the kernels zero it once and use use_acc. (Triton 3.6's
+    # PTX of the earlier kernels, the H200's, drew the warning; 3.9's of the same source does not.)
+    report = ptxas_report(ptx)
+    assert not report["serialized"], report["text"][-2000:]
 
 def check(dtype, bm, bn, bk, warps, per_channel, zeros, split):
-    gdt = gl.float16 if dtype == "fp16" else gl.bfloat16
-    x_layout = gl.NVMMASharedLayout.get_default_for([bm, 64], gdt)
-    w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk // 4], gl.int16)
-    sig = {"x_desc": f"tensordesc<{dtype}[{bm}, 64],{x_layout!r}>", "w_desc": f"tensordesc<i16[{bn}, {bk // 4}],{w_layout!r}>",
-           "s_ptr": "*" + dtype, "z_ptr": "*u8", "bias_ptr": "*" + dtype, "out_ptr": "*" + dtype, "part_ptr": "*fp32",
-           "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32"}
-    sig = {**sig, **{name: "constexpr" for name in fn.arg_names if name not in sig}}
-    consts = dict(GROUP=4096 if per_channel else 128, PER_CHANNEL=per_channel, HAS_ZEROS=zeros, HAS_BIAS=True,
-                  IS_SPLIT=split, STAGES=4, BAND=8 if split else 1, num_warps=warps)
-    kernel = compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    ptx = kernel.asm["ptx"]
+    ptx = w4a16_wgmma_ptx(bm, bn, bk, warps, dtype=dtype, per_channel=per_channel, zeros=zeros, split=split,
+                          band=8 if split else 1)
     mma = re.findall(r"wgmma.mma_async.sync.aligned.m64n(\\d+)k16.f32.(\\w+).(\\w+) [{][^}]*[}], [{]", ptx)
     # per K tile: one wgmma per 64 weight rows of each warpgroup, per nibble slice (4) of each 64-input chunk
-    assert len(mma) == (bn // 64) // (warps // 4) * 4 * (bk // 64), (len(mma), consts)
+    assert len(mma) == (bn // 64) // (warps // 4) * 4 * (bk // 64), (len(mma), bm, bn, bk)
     assert all(n == str(bm) and a == dtype.replace("fp", "f") for n, a, _ in mma), mma
     waits = re.findall(r"wgmma.wait_group.sync.aligned (\\d+)", ptx)
     assert waits.count("1") == 4 * (bk // 64) and waits.count("0") == 1, waits  # one in flight; one drain
     assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx, "no TMA ring"
-    assert ptx.count("lop3.b32") >= 4 and ("atom" in ptx) == split and kernel.asm["cubin"]
+    assert ptx.count("lop3.b32") >= 4 and ("atom" in ptx) == split
     assert_wgmma_not_serialized(ptx)
 
 for dtype in ("fp16", "bf16"):
@@ -62,24 +40,13 @@ for dtype in ("fp16", "bf16"):
 check("fp16", 64, 256, 128, 8, True, True, False)
 check("fp16", 256, 64, 64, 4, False, True, True)
 
-from quantkit.kernels.w4a8_wgmma import _w4a8_wgmma_kernel as fn8
-
 def check8(bm, bn, warps, two_level, split):
-    x_layout = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.int8)
-    w_layout = gl.NVMMASharedLayout.get_default_for([bn, 64], gl.int8)
-    sig = {"x_desc": f"tensordesc<i8[{bm}, 64],{x_layout!r}>", "w_desc": f"tensordesc<i8[{bn}, 64],{w_layout!r}>",
-           "ts_ptr": "*fp32", "cs_ptr": "*fp32", "gs_ptr": "*fp16", "bias_ptr": "*fp16", "out_ptr": "*fp16",
-           "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32"}
-    sig = {**sig, **{name: "constexpr" for name in fn8.arg_names if name not in sig}}
-    consts = dict(GROUP=128, TWO_LEVEL=two_level, HAS_BIAS=True, IS_SPLIT=split, STAGES=4, BAND=1 if split else 8,
-                  PDL=two_level, num_warps=warps)
-    kernel = compile(GluonASTSource(fn8, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    ptx = kernel.asm["ptx"]
+    ptx = w4a8_wgmma_ptx(bm, bn, warps, two_level=two_level, split=split, band=1 if split else 8, pdl=two_level)
     # PDL: the ring's first weight tiles are issued before waiting for the quantization kernel (x comes after)
     assert ("griddepcontrol.wait" in ptx) == two_level
     assert not two_level or ptx.index("cp.async.bulk.tensor") < ptx.index("griddepcontrol.wait")
     mma = re.findall(r"wgmma.mma_async.sync.aligned.m64n(\\d+)k32.s32.s8.s8 [{][^}]*[}], [{]", ptx)
-    assert len(mma) == (bn // 64) // (warps // 4) * 4 and set(mma) == {str(bm)}, (mma, consts)  # BLOCK_K 128
+    assert len(mma) == (bn // 64) // (warps // 4) * 4 and set(mma) == {str(bm)}, (mma, bm, bn)  # BLOCK_K 128
     waits = re.findall(r"wgmma.wait_group.sync.aligned (\\d+)", ptx)
     # one in flight per slice and a single drain per unit, or (two-level, fewer than 64 tokens) per K tile's int32
     # tile for its group multiplier; from 64 tokens two-level slices are QQQ's exact int8 (q - 8) k by one
@@ -88,7 +55,7 @@ def check8(bm, bn, warps, two_level, split):
     assert waits.count("1") == 4 and waits.count("0") == 1, waits
     assert ptx.count("mad.lo.u32 t, u,") == (16 * (bn // 64) // (warps // 4) if exact else 0)
     assert exact or "0xF0F0F0F0" in ptx
-    assert "cp.async.bulk.tensor" in ptx and ("atom" in ptx) == split and kernel.asm["cubin"]
+    assert "cp.async.bulk.tensor" in ptx and ("atom" in ptx) == split
     assert_wgmma_not_serialized(ptx)
 
 check8(16, 128, 4, True, True)
