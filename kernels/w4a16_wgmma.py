@@ -22,6 +22,8 @@ slice, TMA ring); results against float64 are checked on the GPU (bench_kernels.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -300,9 +302,14 @@ def unit_band(n: int, block_n: int, sm_count: int) -> int:
     return 8 if n // block_n > sm_count // 2 else 1
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def device_unit_band(n: int, block_n: int, device: torch.device) -> int:
-    """unit_band for the GPU the kernel runs on."""
-    return unit_band(n, block_n, torch.cuda.get_device_properties(device).multi_processor_count)
+    """unit_band for the GPU the kernel runs on (its SM count read once per device, not per launch)."""
+    return unit_band(n, block_n, _sm_count(device))
 
 
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
