@@ -118,7 +118,7 @@ def check_correctness(log, schemes: list[str]) -> int:
     return failures
 
 
-SWAP_LAYOUT_KERNELS = ("swap", "swap_gemv", "wgmma")  # the kernels on the int16 swap layout
+SWAP_LAYOUT_KERNELS = ("swap", "swap_gemv", "tma_gemv", "wgmma")  # the kernels on the int16 swap layout
 
 
 def check_swap(log, schemes: list[str]) -> int:
@@ -138,8 +138,8 @@ def check_swap(log, schemes: list[str]) -> int:
             for m in (1, 3, 5, 64, 300):
                 x = torch.randn(m, 1024, device="cuda", dtype=dtype)
                 ref = reference(layer, x)
-                configs = [c for c in candidates(scheme, m, 768, 1024, layer.group_size, swap=True, hopper=True)
-                           if c["kernel"] in SWAP_LAYOUT_KERNELS]
+                configs = [c for c in candidates(scheme, m, 768, 1024, layer.group_size, swap=True, hopper=True,
+                                                 fp16=dtype == torch.float16) if c["kernel"] in SWAP_LAYOUT_KERNELS]
                 firsts = [c for kind in SWAP_LAYOUT_KERNELS for c in [c for c in configs if c["kernel"] == kind][:2]]
                 for cfg in configs if (group, dtype, sym) == (128, torch.float16, True) else firsts:
                     failures += _failed(log, _checked_err(layer, x, cfg, ref, log), tol,
@@ -330,6 +330,25 @@ SMALL_MS = (1, 4, 16, 64, 256)
 
 # the swap-layout gemv's tiles; its rows run along K, so narrow BLOCK_N tiles stay coalesced
 SWAP_GEMV_SWEEP = [(32, 256, 4, 1), (64, 256, 4, 1), (32, 512, 4, 1), (64, 128, 4, 1), (64, 256, 8, 1)]
+# the Gluon TMA gemv: (BLOCK_N, BLOCK_K, warps), each at every ring depth of 24-128 KB (stages 2, 3, 4, 6, 8)
+TMA_GEMV_SWEEP = [(32, 512, 4), (64, 256, 4), (64, 512, 4), (64, 1024, 4), (128, 256, 4), (128, 512, 4), (128, 256, 8),
+                  (128, 512, 8), (256, 256, 8), (32, 1024, 4), (128, 1024, 8)]
+
+
+def tma_gemv_sweep_configs(n: int, k: int, group: int) -> list[dict]:
+    """Every TMA_GEMV_SWEEP tile at each ring depth of 24-128 KB and the two K splits whose launch comes nearest
+    600 programs per token (about 4.5 per SM on the H200)."""
+    from quantkit.kernels.w4a16_tma_gemv import tma_gemv_fits
+
+    out = []
+    for bn, bk, warps in TMA_GEMV_SWEEP:
+        splits = sorted((s for s in (1, 2, 4, 8, 16, 32) if tma_gemv_fits(k, n, group, bn, bk, s)),
+                        key=lambda s: abs(n // bn * s - 600))[:2]
+        for stages in (2, 3, 4, 6, 8):
+            if 24 * 1024 <= stages * bn * bk // 2 <= 128 * 1024:
+                out += [dict(kernel="tma_gemv", BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=warps,
+                             num_stages=stages) for s in splits]
+    return out
 
 
 def gemv_sweep_configs(m: int, n: int, k: int, group: int, kind: str = "gemv") -> list[dict]:
@@ -337,6 +356,8 @@ def gemv_sweep_configs(m: int, n: int, k: int, group: int, kind: str = "gemv") -
     from quantkit.kernels.autotune import _fits, _gemv
     from quantkit.kernels.w4a16_swap import swap_gemv_fits
 
+    if kind == "tma_gemv":
+        return tma_gemv_sweep_configs(n, k, group)
     out = []
     for bn, bk, warps, stages in SWAP_GEMV_SWEEP if kind == "swap_gemv" else GEMV_TILES:
         heuristic = _gemv(n, k, bn, bk, warps)["SPLIT_K"]  # swap_gemv: around the tuner's split
@@ -481,7 +502,7 @@ def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: f
     xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
     runners = [config_runner(la) for la in layers]
     ref = reference(layers[0], xs[0])
-    gemv_kinds = ("swap_gemv",) * (scheme == "w4a16") + GEMV_KERNELS  # the new one first, within the budget
+    gemv_kinds = ("tma_gemv", "swap_gemv") * (scheme == "w4a16") + GEMV_KERNELS  # the newest first, within the budget
     tiled = [c for c in candidates(scheme, m, n, k, 128, swap=True, hopper=True) if c["kernel"] not in gemv_kinds
              and (kinds is None or c["kernel"] in kinds)]
     gemvs = [c for kind in gemv_kinds if kinds is None or kind in kinds

@@ -64,6 +64,10 @@ def w4a16_run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         from .w4a16_wgmma import w4a16_wgmma_matmul
 
         return w4a16_wgmma_matmul(x, swap_weight, scales, zeros, bias, group_size, cfg)
+    if cfg["kernel"] == "tma_gemv":  # Gluon, Hopper only
+        from .w4a16_tma_gemv import w4a16_tma_gemv
+
+        return w4a16_tma_gemv(x, swap_weight, scales, zeros, bias, group_size, cfg)
     if cfg["kernel"] == "swap":
         return w4a16_swap_matmul(x, swap_weight, scales, zeros, bias, group_size, cfg)
     if cfg["kernel"] == "swap_gemv":

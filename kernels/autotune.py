@@ -99,6 +99,37 @@ def swap_gemv_candidates(n: int, k: int, group: int) -> list[dict]:
     return out
 
 
+# The Gluon TMA gemv (w4a16_tma_gemv.py; fp16, Hopper): (BLOCK_N, BLOCK_K, warps, stages). The H200 sweep of 41 tiles
+# at two splits each (kernels/log_ab_tma_gemv_2026-12-04.txt, M = 1 on six shapes, 2 and 4 on three): the first is
+# within 5% of the best in all 12 cells, the second the best where the first is not (8B down, M = 1; 70B gate_up).
+# Two stages won: fewer shared-memory bytes per program, more programs per SM.
+TMA_GEMV_TILES = ((128, 256, 4, 2), (64, 256, 4, 3))
+
+
+def tma_gemv_split(n: int, k: int, block_n: int, block_k: int) -> int:
+    """The largest power-of-two K split that divides the K tiles, leaves each split at least two of them and keeps
+    a token's programs within about four per SM (2 * SMS_TO_FILL); 1 if none. It picked the best measured split
+    for both TMA_GEMV_TILES on all six benchmark shapes but one tie (8B o, 64 rows)."""
+    tiles, split = k // block_k, 1
+    while tiles % (2 * split) == 0 and tiles // (2 * split) >= 2 and n // block_n * 2 * split <= 2 * SMS_TO_FILL:
+        split *= 2
+    return split
+
+
+def tma_gemv_candidates(n: int, k: int, group: int) -> list[dict]:
+    """The TMA gemv's configs that fit the layer, at tma_gemv_split and half of it."""
+    from .w4a16_tma_gemv import tma_gemv_fits
+
+    out = []
+    for bn, bk, warps, stages in TMA_GEMV_TILES:
+        split = tma_gemv_split(n, k, bn, bk)
+        for s in dict.fromkeys((split, max(1, split // 2))):
+            if tma_gemv_fits(k, n, group, bn, bk, s):
+                out.append(dict(kernel="tma_gemv", BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=warps,
+                                num_stages=stages))
+    return out
+
+
 def swap_candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dict]:
     """The swap kernels' configs (their BLOCK_M is wgmma's N: the M bucket up to 64, at least 16; 128 for
     W4A8 at M = 128..512)."""
@@ -118,11 +149,13 @@ def swap_candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dic
     return list({str(c): c for c in out}.values())
 
 
-def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = False, hopper: bool = False) -> list[dict]:
+def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = False, hopper: bool = False,
+               fp16: bool = True) -> list[dict]:
     """Configs worth timing for this problem, the heuristic default first. scheme: 'w4a16' or 'w4a8'.
     swap: the layer has a swap kernel's weight layout (w4a16_swap; w4a8_swap for symmetric weights): its
     configs lead from M = 2 to 64 (and join W4A8's timed candidates at M = 128..512). hopper: the Gluon
-    wgmma kernels (on the swap layouts, M >= 8) can run: their configs are timed too (W4A16's lead at M = 32..512)."""
+    kernels (on the swap layouts) can run: the wgmma kernels' configs are timed too (M >= 8; W4A16's lead at
+    M = 32..512), and with fp16 activations W4A16's TMA gemv (M <= 4; it leads for one token on large layers)."""
     b = m_bucket(m)
     out: list[dict] = []
     bk_min = 32 if scheme == "w4a16" else 64  # int8 dot needs K >= 32 per instruction; 64 keeps it fed
@@ -161,16 +194,23 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
             gemv += configs
         out = gemv + out if b == 1 else out + gemv
     if swap and b <= 64:  # it beat every other tiled kernel from M = 1 to 64 on the H200 but one cell (8B o,
-        # M = 64: gemm's first tile); gemv_h2 stays the default for one token (faster on 4 of 6 shapes). The
-        # other tiled kinds keep their first two configs as fallbacks (20-39 candidates become 8-21).
+        # M = 64: gemm's first tile). The other tiled kinds keep their first two configs as fallbacks (20-39
+        # candidates become 8-21).
         swapped = swap_candidates(scheme, m, n, k, group)
         gemv = [c for c in out if c["kernel"] in GEMV_KERNELS]
         tiled = [c for c in out if c["kernel"] not in GEMV_KERNELS]
         firsts = [c for kind in dict.fromkeys(c["kernel"] for c in tiled) for c in
                   [t for t in tiled if t["kernel"] == kind][:2]]
         swap_gemv = swap_gemv_candidates(n, k, group) if scheme == "w4a16" and b <= 4 else []
-        out = (gemv[:1] + swap_gemv + swapped + gemv[1:] + firsts if b == 1 else
-               swapped + swap_gemv + firsts + gemv)
+        tma = tma_gemv_candidates(n, k, group) if scheme == "w4a16" and b <= 4 and hopper and fp16 else []
+        # one token, fp16: the TMA gemv leads on layers of 2**26 weights and more (H200: +5-15% on the 70B shapes,
+        # a tie on 8B gate_up), the swap gemv below (8B qkv / o: the TMA gemv 11-14% slower; 8B down a tie), then
+        # gemv_h2 (slower than the swap gemv on 5 of 6 shapes); bf16 (no half2 PTX in either gemv): gemv_h2's fp32
+        # gemv first, as measured before. Two to four tokens: the TMA gemv beat both gemvs on every measured shape
+        # (log_ab_tma_gemv_2026-12-04.txt)
+        lead = tma if n * k >= 2**26 else []
+        gemvs = lead + (swap_gemv + gemv[:1] if fp16 else gemv[:1] + swap_gemv) + [c for c in tma if c not in lead]
+        out = gemvs + swapped + gemv[1:] + firsts if b == 1 else swapped + tma + swap_gemv + firsts + gemv
     elif swap:  # W4A8 at M = 128..512
         out += swap_candidates(scheme, m, n, k, group)
     if b >= 256:
@@ -332,7 +372,7 @@ def pick_config(scheme: str, x: torch.Tensor, n: int, k: int, group: int, run: C
                 zeros: bool = False, two_level: bool | None = None, swap: bool = False) -> dict:
     """The config for this call: cached, else tuned (timing run(config) for each candidate), else default."""
     m = x.shape[0]
-    options = candidates(scheme, m, n, k, group, swap, hopper_gluon(x.device))
+    options = candidates(scheme, m, n, k, group, swap, hopper_gluon(x.device), x.dtype == torch.float16)
     if not (x.is_cuda and tuning_enabled()):
         return options[0]
     key = tuning_key(torch.cuda.get_device_name(x.device), scheme, x.dtype, n, k, group, m, zeros, two_level, swap)

@@ -26,7 +26,10 @@ def _descriptor(dtype: str, block: list[int]) -> str:
 
 def _compile(fn, sig: dict, consts: dict) -> str:
     sig = {**sig, **_SCALARS, **{name: "constexpr" for name in fn.arg_names if name not in sig and name not in _SCALARS}}
-    kernel = compile(GluonASTSource(fn, sig, consts), target=_SM90, options={"num_warps": consts["num_warps"]})
+    # as a launch specializes them: pointers 16-byte aligned, N and K multiples of 16 (M and SPLIT_K never are)
+    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in sig.items()
+               if ty.startswith("*") or name in ("N", "K")}
+    kernel = compile(GluonASTSource(fn, sig, consts, aligned), target=_SM90, options={"num_warps": consts["num_warps"]})
     assert kernel.asm["cubin"], "ptxas produced no cubin"
     return kernel.asm["ptx"]
 
@@ -42,6 +45,19 @@ def w4a16_wgmma_ptx(bm: int, bn: int, bk: int, warps: int, stages: int = 4, dtyp
            "z_ptr": "*u8", "bias_ptr": "*" + dtype, "out_ptr": "*" + dtype, "part_ptr": "*fp32", "count_ptr": "*i32"}
     return _compile(fn, sig, dict(GROUP=4096 if per_channel else 128, PER_CHANNEL=per_channel, HAS_ZEROS=zeros,
                                   HAS_BIAS=bias, IS_SPLIT=split, STAGES=stages, BAND=band, num_warps=warps))
+
+
+def w4a16_tma_gemv_ptx(bn: int, bk: int, warps: int, stages: int = 4, per_channel: bool = False,
+                       zeros: bool = False, split: bool = False, bias: bool = True) -> str:
+    """PTX of w4a16_tma_gemv's kernel for one tile (BLOCK_N weight rows x BLOCK_K inputs), fp16, g128 or per channel
+    (K 4096)."""
+    from .w4a16_tma_gemv import _w4a16_tma_gemv_kernel as fn
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    sig = {"w_desc": f"tensordesc<i32[{bn}, {bk // 8}],{layout!r}>", "x_ptr": "*fp16", "s_ptr": "*fp16",
+           "z_ptr": "*u8", "bias_ptr": "*fp16", "out_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    return _compile(fn, sig, dict(GROUP=4096 if per_channel else 128, PER_CHANNEL=per_channel, HAS_ZEROS=zeros,
+                                  HAS_BIAS=bias, IS_SPLIT=split, STAGES=stages, num_warps=warps))
 
 
 def w4a8_wgmma_ptx(bm: int, bn: int, warps: int, stages: int = 4, two_level: bool = True, split: bool = False,
