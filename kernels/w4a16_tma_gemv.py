@@ -1,9 +1,11 @@
 """W4A16 decode gemv on Hopper in Gluon: the swap layout's weight streamed through a TMA ring, dots on CUDA cores.
 
-The Triton swap gemv (w4a16_swap.py) holds one prefetched K tile per program in registers, which keeps the large
-shapes at 2.6-3.3 TB/s on the H200: too few bytes in flight per SM for the copy roof of 4.25 TB/s. Here each program
-keeps STAGES - 1 K tiles of its weight rows in flight in shared memory (TMA bulk copies behind mbarriers, a ring over
-the program's contiguous range of K tiles), and its warps read a landed tile with 16-byte shared loads:
+The Triton swap gemv (w4a16_swap.py) holds one prefetched K tile per program in registers; on the H200 it moved
+2.6-3.3 TB/s on the large shapes, against a copy roof of 4.25 TB/s. Here each program keeps STAGES K tiles of its
+weight rows in flight in shared memory (TMA bulk copies behind mbarriers, a ring over the program's contiguous range
+of K tiles; a stage is refilled as soon as every warp has read it), and its warps read a landed tile with 16-byte
+shared loads (H200: 5-15% faster on the 70B shapes at one token, 9-25% at two and four tokens; slower on small layers,
+benchmarks/kernels/log_ab_tma_gemv_2026-12-04.txt):
 - the weight is the swap layout read as int32 words [N, K / 8] (w4a16_swap.py: word u of a row holds nibble slices
   j = 0..3 of two neighbouring int16, the inputs 64 (u // 8) + 16 j + 2 (u % 8) + {0, 1});
 - each thread takes 4 consecutive words of BLOCK_N / (rows per pass) rows; for each j, x's fp16 pairs of its 4 words
@@ -33,7 +35,6 @@ from .w4a16_wgmma import _cta_barrier, _store_tile, _tma_load
 
 _DOT = gl.constexpr(_gemv_word_dot_ptx(False))
 _DOT_ZEROS = gl.constexpr(_gemv_word_dot_ptx(True))
-WORDS_PER_THREAD = 4  # one 16-byte shared load of weight words, one 16-byte global load of x per nibble slice
 
 
 @gluon.jit
@@ -136,11 +137,13 @@ def _w4a16_tma_gemv_kernel(w_desc, x_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
 
 
 def tma_gemv_fits(k: int, n: int, group_size: int, block_n: int, block_k: int, split: int) -> bool:
-    """Whether a tile divides this layer: whole tiles along N and K, an equal number of K tiles per split, a TMA box
-    row of at most 256 words (BLOCK_K <= 2048) and 64-input chunks inside one group (group >= 64, or per channel)."""
+    """Whether a tile divides this layer: power-of-two tiles (the thread layout's) of whole 64-input chunks, whole
+    tiles along N and K, an equal number of K tiles per split, a TMA box of at most 256 rows and 256 words a row
+    (BLOCK_K <= 2048), and chunks inside one group (group a multiple of 64, or per channel)."""
     per_channel = group_size == k
-    return (n % block_n == 0 and block_n <= 256 and block_k % 64 == 0 and block_k <= 2048 and k % block_k == 0
-            and (k // block_k) % split == 0 and (per_channel or (group_size % 64 == 0)))
+    powers_of_two = block_n & (block_n - 1) == 0 and block_k & (block_k - 1) == 0
+    return (powers_of_two and 64 <= block_k <= 2048 and block_n <= 256 and n % block_n == 0 and k % block_k == 0
+            and (k // block_k) % split == 0 and (per_channel or group_size % 64 == 0))
 
 
 def _descriptor(packed: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:

@@ -79,6 +79,8 @@ def test_tma_gemv_tile_rules_and_errors() -> None:
     assert not tma_gemv_fits(4096, 4096, 128, 128, 4096, 1)  # a TMA box row over 256 words
     assert not tma_gemv_fits(4096, 4160, 128, 128, 256, 1)  # N not a multiple of the tile
     assert not tma_gemv_fits(4096, 4096, 32, 128, 256, 1)  # group under a 64-input chunk
+    assert not tma_gemv_fits(6144, 4096, 128, 128, 192, 1)  # 24 words a row: no power-of-two thread layout
+    assert not tma_gemv_fits(4096, 4032, 128, 96, 256, 1)
     cfg = dict(BLOCK_N=128, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=2)
     packed, scales = torch.zeros(4160, 1024, dtype=torch.int16), torch.ones(32, 4160, dtype=torch.float16)
     with pytest.raises(ValueError, match="does not fit N 4160"):
