@@ -51,10 +51,10 @@ def w4a16_tma_gemv_ptx(bn: int, bk: int, warps: int, stages: int = 4, per_channe
                        zeros: bool = False, split: bool = False, bias: bool = True) -> str:
     """PTX of w4a16_tma_gemv's kernel for one tile (BLOCK_N weight rows x BLOCK_K inputs), fp16, g128 or per channel
     (K 4096)."""
+    from .w4a16_tma_gemv import WORDS_SMEM_LAYOUT
     from .w4a16_tma_gemv import _w4a16_tma_gemv_kernel as fn
 
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    sig = {"w_desc": f"tensordesc<i32[{bn}, {bk // 8}],{layout!r}>", "x_ptr": "*fp16", "s_ptr": "*fp16",
+    sig = {"w_desc": f"tensordesc<i32[{bn}, {bk // 8}],{WORDS_SMEM_LAYOUT!r}>", "x_ptr": "*fp16", "s_ptr": "*fp16",
            "z_ptr": "*u8", "bias_ptr": "*fp16", "out_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     return _compile(fn, sig, dict(GROUP=4096 if per_channel else 128, PER_CHANNEL=per_channel, HAS_ZEROS=zeros,
                                   HAS_BIAS=bias, IS_SPLIT=split, STAGES=stages, num_warps=warps))

@@ -35,6 +35,8 @@ from .w4a16_wgmma import _cta_barrier, _store_tile, _tma_load
 
 _DOT = gl.constexpr(_gemv_word_dot_ptx(False))
 _DOT_ZEROS = gl.constexpr(_gemv_word_dot_ptx(True))
+# the ring's layout: unswizzled (a warp reads whole 16-byte runs of each row, so there are no bank conflicts to spread)
+WORDS_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 @gluon.jit
@@ -147,11 +149,9 @@ def tma_gemv_fits(k: int, n: int, group_size: int, block_n: int, block_k: int, s
 
 
 def _descriptor(packed: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
-    """The swap layout [N, K / 4] int16 as int32 words [N, K / 8], boxes of [block_n, block_k / 8], unswizzled (a
-    warp reads whole 16-byte runs of each row, so there are no bank conflicts to spread)."""
+    """The swap layout [N, K / 4] int16 as int32 words [N, K / 8], boxes of [block_n, block_k / 8]."""
     words = packed.view(torch.int32)
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor(words, list(words.shape), list(words.stride()), [block_n, block_k // 8], layout)
+    return TensorDescriptor(words, list(words.shape), list(words.stride()), [block_n, block_k // 8], WORDS_SMEM_LAYOUT)
 
 
 def w4a16_tma_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
