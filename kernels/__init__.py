@@ -26,6 +26,7 @@ def _register_ops() -> None:
     if _OPS_REGISTERED:
         return
     from .autotune import pick_config
+    from .reference import w4a8_reference, w4a16_reference
 
     @torch.library.custom_op("quantkit::w4a16_linear", mutates_args=())
     def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -35,7 +36,11 @@ def _register_ops() -> None:
         def run(cfg: dict) -> torch.Tensor:
             return w4a16_run(x, qweight, scales, zeros, bias, group_size, swap_weight, cfg)
 
-        return run(pick_config("w4a16", x, n, k, group_size, run, zeros is not None, swap=swap_weight is not None))
+        def reference() -> torch.Tensor:
+            return w4a16_reference(x, qweight, scales, zeros, bias, group_size)
+
+        return run(pick_config("w4a16", x, n, k, group_size, run, zeros is not None, swap=swap_weight is not None,
+                               reference=reference))
 
     @torch.library.custom_op("quantkit::w4a8_linear", mutates_args=())
     def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
@@ -46,8 +51,11 @@ def _register_ops() -> None:
         def run(cfg: dict) -> torch.Tensor:
             return w4a8_run(x, qweight, channel_scales, group_scales, zeros, bias, group_size, swap_weight, cfg)
 
+        def reference() -> torch.Tensor:
+            return w4a8_reference(x, qweight, channel_scales, group_scales, zeros, bias, group_size)
+
         return run(pick_config("w4a8", x, n, k, group_size, run, zeros is not None, group_scales is not None,
-                               swap_weight is not None))
+                               swap_weight is not None, reference))
 
     for op in (w4a16_linear, w4a8_linear):
         op.register_fake(lambda x, qweight, *args: x.new_empty(x.shape[0], qweight.shape[1]))
@@ -56,9 +64,14 @@ def _register_ops() -> None:
 
 def w4a16_run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
               bias: torch.Tensor | None, group_size: int, swap_weight: torch.Tensor | None, cfg: dict) -> torch.Tensor:
-    """One W4A16 call with an explicit config: the swap kernel on its own weight layout, else w4a16.py's."""
+    """One W4A16 call with an explicit config: the swap kernel on its own weight layout, else w4a16.py's (or the
+    plain torch reference, the tuner's last resort)."""
+    from .reference import w4a16_reference
     from .w4a16 import w4a16_matmul
     from .w4a16_swap import w4a16_swap_gemv, w4a16_swap_matmul
+
+    if cfg["kernel"] == "reference":
+        return w4a16_reference(x, qweight, scales, zeros, bias, group_size)
 
     if cfg["kernel"] == "wgmma":  # Gluon, Hopper only (imported here: older Tritons have no Gluon)
         from .w4a16_wgmma import w4a16_wgmma_matmul
@@ -78,9 +91,14 @@ def w4a16_run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
 def w4a8_run(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
              group_scales: torch.Tensor | None, zeros: torch.Tensor | None, bias: torch.Tensor | None,
              group_size: int, swap_weight: torch.Tensor | None, cfg: dict) -> torch.Tensor:
-    """One W4A8 call with an explicit config: the swap kernel on its own weight layout, else w4a8.py's."""
+    """One W4A8 call with an explicit config: the swap kernel on its own weight layout, else w4a8.py's (or the
+    plain torch reference, the tuner's last resort)."""
+    from .reference import w4a8_reference
     from .w4a8 import w4a8_matmul
     from .w4a8_swap import w4a8_swap_matmul
+
+    if cfg["kernel"] == "reference":
+        return w4a8_reference(x, qweight, channel_scales, group_scales, zeros, bias, group_size)
 
     if cfg["kernel"] == "wgmma":  # Gluon, Hopper only
         from .w4a8_wgmma import w4a8_wgmma_matmul

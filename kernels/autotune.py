@@ -2,6 +2,8 @@
 JSON cache of tuned choices (one file per user, keyed by device, kernel, dtype, shape and M bucket) so a
 warm process never re-tunes.
 
+Before timing, every candidate's output is checked against a plain-torch reference of the op on the same input
+(kernels/reference.py): a config that computes something else on this GPU is logged and dropped.
 QUANTKIT_AUTOTUNE=0 turns tuning off (defaults only). QUANTKIT_CACHE_DIR moves the cache
 (default ~/.cache/quantkit). Tuning never runs while a CUDA graph is being captured: a capture that meets
 an untuned bucket uses the default for it.
@@ -368,9 +370,41 @@ def tuning_key(device_name: str, scheme: str, dtype: torch.dtype, n: int, k: int
     return f"v{TUNING_VERSION}|{device_name}|{scheme}|{dtype}|N{n}|K{k}|g{group}|{traits}|M{m_bucket(m)}"
 
 
+# A config whose output is this far (relative Frobenius error) from the torch reference computes something else:
+# rounding differences between kernels and the fp32 reference stay under 1e-2 (fp16 / bf16 outputs, int8 ties).
+WRONG_RESULT = 0.05
+REFERENCE = {"kernel": "reference"}  # the ops' plain-torch path, when no candidate gives the right result
+
+
+def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    err = ((out.float() - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+    return err if err == err else float("inf")  # NaN: wrong
+
+
+def _right_results(options: list[dict], run: Callable[[dict], object], expected: torch.Tensor, key: str) -> list[dict]:
+    """The candidates whose output on this call matches `expected` (within WRONG_RESULT): a config that some GPU,
+    driver or compiler version gets wrong is logged and never timed or cached. One that fails to run stays (it
+    loses the timing)."""
+    right = []
+    for cfg in options:
+        try:
+            err = _relative_error(run(cfg), expected)
+        except Exception as exc:  # out of shared memory, a compile error: _cold_times gives it inf
+            log.debug("candidate %s failed: %s", cfg, exc)
+            err = 0.0
+        if err < WRONG_RESULT:
+            right.append(cfg)
+        else:
+            log.warning("kernel config %s gives wrong results for %s (relative error %.3g against the reference): "
+                        "not used", cfg, key, err)
+    return right
+
+
 def pick_config(scheme: str, x: torch.Tensor, n: int, k: int, group: int, run: Callable[[dict], object],
-                zeros: bool = False, two_level: bool | None = None, swap: bool = False) -> dict:
-    """The config for this call: cached, else tuned (timing run(config) for each candidate), else default."""
+                zeros: bool = False, two_level: bool | None = None, swap: bool = False,
+                reference: Callable[[], torch.Tensor] | None = None) -> dict:
+    """The config for this call: cached, else tuned (timing run(config) for each candidate whose output matches
+    reference(), when given and finite; REFERENCE if none does), else default."""
     m = x.shape[0]
     options = candidates(scheme, m, n, k, group, swap, hopper_gluon(x.device), x.dtype == torch.float16)
     if not (x.is_cuda and tuning_enabled()):
@@ -379,10 +413,17 @@ def pick_config(scheme: str, x: torch.Tensor, n: int, k: int, group: int, run: C
     cached = _cache().get(key)
     if cached is not None:
         return cached
-    if torch.cuda.is_current_stream_capturing() or len(options) == 1:
+    if torch.cuda.is_current_stream_capturing():
         return options[0]
-    times = _cold_times([lambda cfg=cfg: run(cfg) for cfg in options], x.device)
-    best = options[min(range(len(options)), key=times.__getitem__)]
+    expected = reference().float() if reference is not None else None
+    if expected is not None and bool(torch.isfinite(expected).all()):  # else nothing to judge by
+        options = _right_results(options, run, expected, key)
+    if not options:
+        log.error("no kernel config gives the right result for %s: the plain torch path serves it", key)
+        best = REFERENCE
+    else:
+        times = _cold_times([lambda cfg=cfg: run(cfg) for cfg in options], x.device) if len(options) > 1 else [0.0]
+        best = options[min(range(len(options)), key=times.__getitem__)]
     log.info("tuned %s: %s", key, best)
     _cache().put(key, best)
     return best

@@ -152,6 +152,82 @@ def test_tuner_picks_the_fastest_candidate_timed_cold(tmp_path, monkeypatch):
     assert pick_config("w4a16", x, 512, 256, 128, run) == options[2] and ran == []  # from the cache
 
 
+def _op_arguments(layer: QuantLinear) -> tuple:
+    """The arguments make_kernel_forward gives the layer's custom op, after x."""
+    zeros = None if bool((layer.zeros == 8).all()) else layer.zeros
+    if layer.act_bits == 16:
+        return layer.qweight, layer.scales, zeros, layer.bias, layer.group_size
+    two_level = layer.channel_scales is not None
+    channel = (layer.channel_scales if two_level else layer.scales[0]).float()
+    zeros = zeros if two_level or zeros is None else zeros[0]
+    return layer.qweight, channel, layer.scales if two_level else None, zeros, layer.bias, layer.group_size
+
+
+@pytest.mark.parametrize(("act_bits", "group", "sym", "two_level"), [
+    (16, 32, False, False), (16, -1, True, False), (16, 128, True, False), (8, -1, False, False), (8, -1, True, False),
+    (8, 64, True, True), (8, 64, False, True)])
+def test_op_references_compute_what_quantlinear_computes(monkeypatch, act_bits, group, sym, two_level):
+    """The tuner's check of every candidate compares against these: the layer's own reference forward (fp32, so
+    only summation order differs), dequantizing a few output columns at a time."""
+    import quantkit.kernels.reference as reference
+
+    monkeypatch.setattr(reference, "COLUMNS", 40)  # blocks of 40 columns, the last one short
+    layer = random_layer(256, 96, group, torch.float32, sym, act_bits=act_bits, two_level=two_level)
+    if two_level:  # quantkit's QQQ: integer group multipliers
+        layer.scales.copy_(torch.randint(1, 17, layer.scales.shape).float())
+    x = torch.randn(5, 256)
+    op = reference.w4a16_reference if act_bits == 16 else reference.w4a8_reference
+    assert relative_error(op(x, *_op_arguments(layer)), layer.reference_forward(x).double()) < 1e-6
+
+
+def _fake_gpu(monkeypatch, tmp_path) -> None:
+    """pick_config's tuning path on CPU: a CUDA-looking input, timings by graph_time (faked by the test)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("QUANTKIT_AUTOTUNE", "1")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake-gpu")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(L2_cache_size=48))
+
+
+def test_tuner_drops_configs_that_give_wrong_results(tmp_path, monkeypatch, caplog):
+    """A candidate whose output is not the reference's (a miscompile, a GPU it was never run on) is logged and
+    never timed or cached, however fast; with no candidate right, the op's torch reference serves the layer."""
+    import quantkit.kernels.autotune as autotune
+    from quantkit.kernels import w4a16_run
+
+    _fake_gpu(monkeypatch, tmp_path)
+    layer = random_layer(256, 48, 128, torch.float32, sym=False)
+    x = torch.randn(3, 256)
+    args = _op_arguments(layer)
+    expected = layer.reference_forward(x)
+    options = candidates("w4a16", 3, 48, 256, 128)
+    wrong = {0, 2}  # the default and the fastest
+    timed = []
+
+    def run(cfg: dict) -> torch.Tensor:
+        timed.append(options.index(cfg))
+        out = expected + 1e-3 * torch.randn_like(expected)  # rounding: right
+        return out.flip(1) if options.index(cfg) in wrong else out
+
+    monkeypatch.setattr(autotune, "_cold_times", lambda calls, device: [float(i) for i in range(len(calls))][::-1])
+    with caplog.at_level(logging.WARNING, logger="quantkit.kernels.autotune"):
+        best = pick_config("w4a16", x, 48, 256, 128, run, True, reference=lambda: expected)
+    assert best == [c for i, c in enumerate(options) if i not in wrong][-1]  # the fastest right one
+    assert sum("gives wrong results" in r.message for r in caplog.records) == len(wrong)
+    monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(tmp_path / "fresh"))
+    with caplog.at_level(logging.ERROR, logger="quantkit.kernels.autotune"):
+        best = pick_config("w4a16", x, 48, 256, 128, lambda cfg: expected.flip(1), True, reference=lambda: expected)
+    assert best == autotune.REFERENCE and any("plain torch path" in r.message for r in caplog.records)
+    assert relative_error(w4a16_run(x, *args[:4], 128, None, best), expected.double()) < 1e-6
+    nan = torch.full_like(expected, float("nan"))  # an input the reference cannot judge: nothing is dropped
+    monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(tmp_path / "nan"))
+    assert pick_config("w4a16", x, 48, 256, 128, lambda cfg: expected.flip(1), True, reference=lambda: nan) != \
+        autotune.REFERENCE
+
+
 def test_moving_a_layer_rebuilds_or_drops_its_kernel_forward(monkeypatch):
     """model.to(...) reaches QuantLinear._apply: a kernel forward (which holds the old buffers) is dropped,
     and rebuilt when the layer lands on a GPU, or loads a state dict there, unless QUANTKIT_KERNELS=0."""
