@@ -108,12 +108,9 @@ def test_tuning_cache_round_trip_and_defaults(tmp_path, monkeypatch):
     assert pick_config("w4a16", x, 512, 256, 128, never) == candidates("w4a16", 3, 512, 256, 128)[0]
 
 
-def test_tuner_picks_the_fastest_candidate_timed_cold(tmp_path, monkeypatch):
-    """Each candidate is timed after overwriting twice the L2 (whose own time comes off), a failing one loses,
-    the fastest is cached and reused (GPU timing faked: the logic is what is checked here)."""
+def _fake_gpu(monkeypatch, tmp_path) -> None:
+    """pick_config's tuning path on CPU: a CUDA-looking input, timings by graph_time (faked by the test)."""
     from types import SimpleNamespace
-
-    import quantkit.kernels.autotune as autotune
 
     monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("QUANTKIT_AUTOTUNE", "1")
@@ -121,6 +118,14 @@ def test_tuner_picks_the_fastest_candidate_timed_cold(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake-gpu")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(L2_cache_size=48))
+
+
+def test_tuner_picks_the_fastest_candidate_timed_cold(tmp_path, monkeypatch):
+    """Each candidate is timed after overwriting twice the L2 (whose own time comes off), a failing one loses,
+    the fastest is cached and reused (GPU timing faked: the logic is what is checked here)."""
+    import quantkit.kernels.autotune as autotune
+
+    _fake_gpu(monkeypatch, tmp_path)
     options = candidates("w4a16", 3, 512, 256, 128)
     cost = {i: 10.0 + i for i in range(len(options))} | {2: 1.0}  # candidate 2 is the fastest
     ran, flushed = [], []
@@ -178,18 +183,6 @@ def test_op_references_compute_what_quantlinear_computes(monkeypatch, act_bits, 
     x = torch.randn(5, 256)
     op = reference.w4a16_reference if act_bits == 16 else reference.w4a8_reference
     assert relative_error(op(x, *_op_arguments(layer)), layer.reference_forward(x).double()) < 1e-6
-
-
-def _fake_gpu(monkeypatch, tmp_path) -> None:
-    """pick_config's tuning path on CPU: a CUDA-looking input, timings by graph_time (faked by the test)."""
-    from types import SimpleNamespace
-
-    monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("QUANTKIT_AUTOTUNE", "1")
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake-gpu")
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(L2_cache_size=48))
 
 
 def test_tuner_drops_configs_that_give_wrong_results(tmp_path, monkeypatch, caplog):
