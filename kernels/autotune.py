@@ -389,9 +389,10 @@ def _right_results(options: list[dict], run: Callable[[dict], object], expected:
     for cfg in options:
         try:
             err = _relative_error(run(cfg), expected)
-        except Exception as exc:  # out of shared memory, a compile error: _cold_times gives it inf
+        except Exception as exc:  # out of shared memory, a compile error: kept, and _cold_times gives it inf
             log.debug("candidate %s failed: %s", cfg, exc)
-            err = 0.0
+            right.append(cfg)
+            continue
         if err < WRONG_RESULT:
             right.append(cfg)
         else:

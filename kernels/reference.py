@@ -17,9 +17,12 @@ def _dequantized(qweight: torch.Tensor, zeros: torch.Tensor | None, group_size: 
     codes = unpack_along_rows(qweight[:, columns], 4).float()
     group = torch.arange(codes.shape[0], device=codes.device) // group_size
     if zeros is None:  # symmetric: the kernels' implicit 8
-        return codes - 8.0, group
-    z = zeros[:, columns].float() if zeros.dim() == 2 else zeros[columns].float()  # [G, C] or per channel [C]
-    return codes - (z[group] if zeros.dim() == 2 else z), group
+        z = 8.0
+    elif zeros.dim() == 2:  # [G, N]
+        z = zeros[:, columns].float()[group]
+    else:  # W4A8 per channel: [N]
+        z = zeros[columns].float()
+    return codes - z, group
 
 
 def _column_blocks(n: int):
