@@ -34,6 +34,7 @@ from quantkit.quantizers.qqq import (
     _module_probe,
     candidate_thresholds,
     confirm_after_gptq,
+    int8_matmul,
     make_grid,
     search_smoothing,
     threshold_scales,
@@ -87,9 +88,24 @@ def test_folded_smoothing_keeps_logits(kind: str) -> None:
     assert ((out - ref).norm() / ref.norm()).item() < 1e-9
 
 
+def test_int8_matmul_is_exact() -> None:
+    """Against int64 sums, at the extremes (every product 127 * 128 in magnitude, all of one sign on some rows)
+    and over a K past where one fp32 sum would round (3000 such products pass 2**24), and on random codes."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (9, 3000), dtype=torch.int8, generator=gen)
+    b = torch.randint(-128, 113, (3000, 7), dtype=torch.int8, generator=gen)
+    a[:3], b[:, :2] = 127, -128
+    a[3] = -127
+    exact = a.long() @ b.long()
+    assert exact.abs().max() > 2**24
+    out = int8_matmul(a, b)
+    assert out.dtype == torch.int32
+    assert torch.equal(out.long(), exact)
+
+
 @pytest.mark.parametrize("group_size", [-1, 32])
 def test_int8_loss_is_the_fake_quantized_loss(group_size: int) -> None:
-    """The probe runs the group's linears in int8 (torch._int_mm) inside the model's own attention and MLP: the
+    """The probe runs the group's linears in int8 (int8_matmul) inside the model's own attention and MLP: the
     same loss as fake-quantized activations and weights in float64, q/k/v biases included (Qwen2)."""
     model = with_outliers(tiny_model("qwen2")).double()
     with torch.no_grad():  # initialised to 0
