@@ -31,7 +31,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .w4a16 import split_buffers
 from .w4a16_swap import _gemv_word_dot_ptx
-from .w4a16_wgmma import _cta_barrier, _store_tile, _tma_load
+from .w4a16_wgmma import _cta_barrier, _store_tile, _tma_load, aligned_16
 
 _DOT = gl.constexpr(_gemv_word_dot_ptx(False))
 _DOT_ZEROS = gl.constexpr(_gemv_word_dot_ptx(True))
@@ -166,8 +166,7 @@ def w4a16_tma_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     if not tma_gemv_fits(k, n, group_size, block_n, block_k, split):
         raise ValueError(f"tma gemv: tile {block_n} x {block_k}, split {split} does not fit N {n}, K {k}, "
                          f"group {group_size}")
-    if x.data_ptr() % 16 or not x.is_contiguous():  # x is read as 16-byte runs of fp16 pairs
-        x = x.contiguous().clone()
+    x = aligned_16(x)  # x is read as 16-byte runs of fp16 pairs
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tiles = m * (n // block_n)
     part, counters = split_buffers(split, m, n, tiles, x.device) if split > 1 else (out, out)

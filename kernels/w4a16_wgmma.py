@@ -319,6 +319,11 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
+def aligned_16(x: torch.Tensor) -> torch.Tensor:
+    """x itself if contiguous and 16-byte aligned (a slice of a larger tensor may not be), else an aligned copy."""
+    return x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.contiguous().clone()
+
+
 def w4a16_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                        bias: torch.Tensor | None, group_size: int, config: dict) -> torch.Tensor:
     """x [M, K] (scales' dtype), packed = repack_for_swap(qweight) [N, K/4], zeros [G, N] or None -> [M, N]."""
@@ -326,8 +331,7 @@ def w4a16_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     n = packed.shape[0]
     split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     programs, tiles = launch_grid(m, n, k, group_size, config)
-    if x.data_ptr() % 16 or not x.is_contiguous():  # TMA reads 16-byte aligned rows
-        x = x.contiguous().clone()
+    x = aligned_16(x)  # TMA reads 16-byte aligned rows
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part, counters = split_buffers(split, m, n, tiles, x.device) if split > 1 else (out, out)
     _w4a16_wgmma_kernel[(programs,)](

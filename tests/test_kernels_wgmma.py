@@ -8,7 +8,14 @@ import pytest
 import torch
 from quantkit.kernels.autotune import candidates
 from quantkit.kernels.w4a8_wgmma import w4a8_wgmma_matmul
-from quantkit.kernels.w4a16_wgmma import launch_grid, unit_band, w4a16_wgmma_matmul, wgmma_fits, wgmma_split
+from quantkit.kernels.w4a16_wgmma import (
+    aligned_16,
+    launch_grid,
+    unit_band,
+    w4a16_wgmma_matmul,
+    wgmma_fits,
+    wgmma_split,
+)
 from test_kernels_w4a16 import compile_for_sm90
 
 WGMMA_COMPILE = """
@@ -135,3 +142,15 @@ def test_tile_rules() -> None:
     packed8, channel = torch.zeros(4160, 2048, dtype=torch.int8), torch.ones(4160)
     with pytest.raises(ValueError, match="does not fit N 4160"):  # before the activations are quantized
         w4a8_wgmma_matmul(x, packed8, channel, torch.ones(32, 4160, dtype=torch.float16), None, 128, cfg)
+
+
+def test_activations_reach_tma_16_byte_aligned() -> None:
+    """An aligned contiguous x passes as it is; a slice starting 2 bytes in, or a transposed view, is copied to an
+    aligned contiguous tensor with the same values."""
+    base = torch.randn(9, 64, dtype=torch.float16)
+    assert aligned_16(base) is base
+    for view in (base.reshape(-1)[1:1 + 8 * 64].reshape(8, 64), base[:, :32].t()):
+        assert view.data_ptr() % 16 or not view.is_contiguous()
+        copy = aligned_16(view)
+        assert copy.is_contiguous() and copy.data_ptr() % 16 == 0
+        assert torch.equal(copy, view)
