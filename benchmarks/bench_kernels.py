@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -310,7 +311,9 @@ def markdown(meta: dict, results: list[dict]) -> str:
     lines = [f"# Kernel benchmark ({meta['date']})", "", f"- device: {meta['device']}",
              f"- command: `{meta['command']}`", f"- git commit: {meta['commit']}",
              f"- torch {meta['torch']}, triton {meta['triton']}",
-             f"- correctness/compile/graph failures: {meta.get('check_failures')}", ""]
+             f"- correctness/compile/graph failures: {meta.get('check_failures')}",
+             f"- tuner warnings (configs rejected against the reference): {len(meta.get('tuner_warnings', []))}",
+             *(f"  - {w}" for w in meta.get("tuner_warnings", [])), ""]
     lines += ["| scheme | shape | M | cuBLAS us | kernel us | speedup | kernel GB/s | kernel TFLOP/s | config |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -603,6 +606,14 @@ def main() -> int:
         (args.out / "tensor_cores.json").write_text(json.dumps(tensor_core_report(), indent=1))
     meta["check_failures"] = failures
     from quantkit.kernels.autotune import _cache, tuning_key
+
+    class TunerWarnings(logging.Handler):  # the grid's cold tuner: every config it rejected, in the results
+        def emit(self, record: logging.LogRecord) -> None:
+            meta["tuner_warnings"].append(record.getMessage())
+            log(f"tuner: {record.getMessage()}")
+
+    meta["tuner_warnings"] = []
+    logging.getLogger("quantkit.kernels.autotune").addHandler(TunerWarnings(logging.WARNING))
 
     results, layers = [], {}
     for scheme in args.schemes:

@@ -80,16 +80,16 @@ EXACT_FP32_PRODUCTS = 1024
 
 
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a int8 [M, K] @ b int8 [K, N] -> int32 [M, N], exactly. torch._int_mm on CUDA; on the CPU fp32 matmuls
-    over K slices short enough to be exact, summed in int32: CPU _int_mm ran 25-40x slower than an fp32 matmul
-    of the same shape on an AVX2 machine without VNNI (AMD EPYC, torch 2.13)."""
-    if a.is_cuda:
-        # _int_mm on CUDA needs > 16 rows and K, N multiples of 8 (true of LLM layers and batches)
+    """a int8 [M, K] @ b int8 [K, N] -> int32 [M, N], exactly. torch._int_mm on CUDA; elsewhere (and for shapes
+    CUDA's _int_mm refuses) fp32 matmuls over K slices short enough to be exact, summed in int32: CPU _int_mm ran
+    25-40x slower than an fp32 matmul of the same shape on an AVX2 machine without VNNI (AMD EPYC, torch 2.13)."""
+    if a.is_cuda and a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0:  # what CUDA _int_mm takes
         return torch._int_mm(a, b)
+    wide = torch.float32 if a.device.type == "cpu" else torch.float64  # CUDA fp32 matmuls may round to TF32
     out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32, device=a.device)
     for start in range(0, a.shape[1], EXACT_FP32_PRODUCTS):
         end = start + EXACT_FP32_PRODUCTS
-        out += (a[:, start:end].float() @ b[start:end].float()).to(torch.int32)
+        out += (a[:, start:end].to(wide) @ b[start:end].to(wide)).to(torch.int32)
     return out
 
 
