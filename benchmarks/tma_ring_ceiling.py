@@ -21,11 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from bench_kernels import SHAPES, copies_for, graph_time, tma_gemv_sweep_configs
-from quantkit.kernels.w4a16_tma_gemv import _descriptor, _issue, w4a16_tma_gemv
-from quantkit.kernels.w4a16_wgmma import _cta_barrier
+from quantkit.kernels.w4a16_tma_gemv import _descriptor, _ring_end, _ring_start, _ring_take, w4a16_tma_gemv
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 GROUP = 128
 
@@ -43,21 +41,11 @@ def _ring_copy_kernel(w_desc, out_ptr, N, K, SPLIT_K, STAGES: gl.constexpr, num_
     tiles = K // (8 * KW) // SPLIT_K
     first_tile = pid_k * tiles
     off_n = pid_n * BLOCK_N
-    ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        _issue(w_desc, ring, bars, i, off_n, first_tile + i, i < tiles)
+    ring, bars = _ring_start(w_desc, off_n, first_tile, tiles, STAGES)
     acc = gl.zeros([BLOCK_N, KW], gl.int32, words_layout)
     for kt in range(tiles):
-        stage = kt % STAGES
-        mbarrier.wait(bars.index(stage), (kt // STAGES) & 1)
-        acc = acc ^ ring.index(stage).load(words_layout)
-        _cta_barrier()
-        _issue(w_desc, ring, bars, stage, off_n, first_tile + kt + STAGES, kt + STAGES < tiles)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
+        acc = acc ^ _ring_take(w_desc, ring, bars, kt, off_n, first_tile, tiles, STAGES, words_layout)
+    _ring_end(bars, STAGES)
     gl.store(out_ptr + pid, gl.sum(gl.sum(acc, axis=1), axis=0))
 
 

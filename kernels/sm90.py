@@ -25,7 +25,8 @@ def _descriptor(dtype: str, block: list[int]) -> str:
 
 
 def _compile(fn, sig: dict, consts: dict) -> str:
-    sig = {**sig, **_SCALARS, **{name: "constexpr" for name in fn.arg_names if name not in sig and name not in _SCALARS}}
+    scalars = {name: ty for name, ty in _SCALARS.items() if name in fn.arg_names}
+    sig = {**sig, **scalars, **{name: "constexpr" for name in fn.arg_names if name not in sig and name not in scalars}}
     # as a launch specializes them: pointers 16-byte aligned, N and K multiples of 16 (M and SPLIT_K never are)
     aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in sig.items()
                if ty.startswith("*") or name in ("N", "K")}

@@ -55,6 +55,35 @@ def _issue(w_desc, ring, bars, stage, off_n, t, pred):
 
 
 @gluon.jit
+def _ring_start(w_desc, off_n, first_tile, tiles, STAGES: gl.constexpr):
+    """The ring of STAGES K tiles of the program's weight rows and its barriers, every stage's copy issued."""
+    ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        _issue(w_desc, ring, bars, i, off_n, first_tile + i, i < tiles)
+    return ring, bars
+
+
+@gluon.jit
+def _ring_take(w_desc, ring, bars, kt, off_n, first_tile, tiles, STAGES: gl.constexpr, LAYOUT: gl.constexpr):
+    """The program's K tile kt from the ring in registers (LAYOUT); its stage then takes the tile STAGES ahead."""
+    stage = kt % STAGES
+    mbarrier.wait(bars.index(stage), (kt // STAGES) & 1)
+    words = ring.index(stage).load(LAYOUT)
+    _cta_barrier()  # every warp holds this tile in registers
+    _issue(w_desc, ring, bars, stage, off_n, first_tile + kt + STAGES, kt + STAGES < tiles)
+    return words
+
+
+@gluon.jit
+def _ring_end(bars, STAGES: gl.constexpr):
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
 def _tile_params(x32_ptr, s_ptr, z_ptr, t, N, rows, quads, lanes, GROUP: gl.constexpr, KW: gl.constexpr,
                  PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr, LAYOUT: gl.constexpr):
     """K tile t's x pairs of nibble slices 0..3 ([1, KW / 4, 4] int32 each) and the group scales and zero points of
@@ -101,25 +130,17 @@ def _w4a16_tma_gemv_kernel(w_desc, x_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     lanes = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, layout)))
     x32_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + m * (K // 2)
 
-    ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        _issue(w_desc, ring, bars, i, off_n, first_tile + i, i < tiles)
+    ring, bars = _ring_start(w_desc, off_n, first_tile, tiles, STAGES)
 
     x0, x1, x2, x3, s, z = _tile_params(x32_ptr, s_ptr, z_ptr, first_tile, N, rows, quads, lanes, GROUP, KW,
                                         PER_CHANNEL, HAS_ZEROS, layout)
     acc = gl.zeros([BLOCK_N, Q], gl.float32, acc_layout)
     for kt in range(tiles):
-        stage = kt % STAGES
         # the next tile's x, scales and zeros go out now (the last tile re-reads its own)
         nxt = _tile_params(x32_ptr, s_ptr, z_ptr, first_tile + gl.minimum(kt + 1, tiles - 1), N, rows, quads, lanes,
                            GROUP, KW, PER_CHANNEL, HAS_ZEROS, layout)
-        mbarrier.wait(bars.index(stage), (kt // STAGES) & 1)
-        words = gl.convert_layout(ring.index(stage).load(words_layout).reshape([BLOCK_N, Q, 4]), layout)
-        _cta_barrier()  # every warp holds this tile in registers: its stage takes the tile STAGES ahead
-        _issue(w_desc, ring, bars, stage, off_n, first_tile + kt + STAGES, kt + STAGES < tiles)
+        words = _ring_take(w_desc, ring, bars, kt, off_n, first_tile, tiles, STAGES, words_layout)
+        words = gl.convert_layout(words.reshape([BLOCK_N, Q, 4]), layout)
         if HAS_ZEROS:
             dots = gl.inline_asm_elementwise(
                 _DOT_ZEROS, "=r,r,r,r,r,r,r,r",
@@ -131,8 +152,7 @@ def _w4a16_tma_gemv_kernel(w_desc, x_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
         quad_dots = gl.sum(dots, axis=2)  # a thread's 4 words: one group
         acc += quad_dots if PER_CHANNEL else quad_dots * s
         x0, x1, x2, x3, s, z = nxt
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
+    _ring_end(bars, STAGES)
     out = gl.expand_dims(gl.sum(acc, axis=1), 1)  # [BLOCK_N, 1]: out^T of one token, divided by 64 (the PTX's)
     _store_tile(out, out_ptr, part_ptr, count_ptr, bias_ptr, s_ptr, s_ptr, M, N, off_n, m, pid_k,
                 m * grid_n + pid_n, SPLIT_K, 64.0, IS_SPLIT, HAS_BIAS, PER_CHANNEL, False, BLOCK_N, 1, num_warps)

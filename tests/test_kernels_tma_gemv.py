@@ -49,18 +49,13 @@ def test_tma_gemv_compiles_to_a_tma_ring_and_vector_loads_for_sm90() -> None:
 RING_COPY_COMPILE = """
 import sys
 sys.path.insert(0, {benchmarks!r})
-from triton.backends.compiler import GPUTarget
-from triton.compiler import compile
-from triton.experimental.gluon._runtime import GluonASTSource
+from quantkit.kernels.sm90 import _compile
 from quantkit.kernels.w4a16_tma_gemv import WORDS_SMEM_LAYOUT
 from tma_ring_ceiling import _ring_copy_kernel
 
 for bn, bk, warps, stages in [(128, 256, 4, 2), (64, 256, 4, 3)]:
-    sig = {{"w_desc": f"tensordesc<i32[{{bn}}, {{bk // 8}}],{{WORDS_SMEM_LAYOUT!r}}>", "out_ptr": "*i32", "N": "i32",
-           "K": "i32", "SPLIT_K": "i32", "STAGES": "constexpr", "num_warps": "constexpr"}}
-    kernel = compile(GluonASTSource(_ring_copy_kernel, sig, dict(STAGES=stages, num_warps=warps)),
-                     target=GPUTarget("cuda", 90, 32), options={{"num_warps": warps}})
-    ptx = kernel.asm["ptx"]
+    sig = {{"w_desc": f"tensordesc<i32[{{bn}}, {{bk // 8}}],{{WORDS_SMEM_LAYOUT!r}}>", "out_ptr": "*i32"}}
+    ptx = _compile(_ring_copy_kernel, sig, dict(STAGES=stages, num_warps=warps))
     assert ptx.count("cp.async.bulk.tensor.2d") == stages + 1 and "mbarrier.try_wait" in ptx, "not the gemv's ring"
     assert "fma" not in ptx and "lop3" not in ptx  # no dot arithmetic: the words are only XORed
 print("compiled")
@@ -71,6 +66,7 @@ def test_the_ring_copy_diagnostic_compiles_to_the_gemvs_ring() -> None:
     """benchmarks/tma_ring_ceiling.py's copy kernel (the gemv's ring without its arithmetic, timed on the GPU as its
     memory ceiling) still compiles for sm_90 against the gemv's helpers."""
     compile_for_sm90(RING_COPY_COMPILE.format(benchmarks=str(Path(__file__).resolve().parents[1] / "benchmarks")))
+
 
 def test_tma_gemv_is_a_candidate_for_fp16_decode_on_hopper_only() -> None:
     def kinds(m: int, n: int, k: int, hopper: bool = True, fp16: bool = True, swap: bool = True) -> list[str]:
