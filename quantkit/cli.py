@@ -27,6 +27,11 @@ class Format(str, Enum):
     awq = "awq"
 
 
+class SmoothSearch(str, Enum):
+    refine = "refine"
+    grid = "grid"
+
+
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=console, show_path=False)], force=True)
@@ -105,6 +110,7 @@ def quantize(
     duo_scaling: Annotated[bool, typer.Option("--duo-scaling", help="AWQ: s = mean|x|^r / mean|w|^(1-r)")] = False,
     clip: Annotated[bool, typer.Option("--clip/--no-clip", help="AWQ: search clipping ranges")] = True,
     smooth_steps: Annotated[int | None, typer.Option(help="QQQ: thresholds searched (default max(100, max|x|/0.5))")] = None,
+    smooth_search: Annotated[SmoothSearch, typer.Option(help="QQQ: refine (coarse-to-fine) or grid (every threshold, the reference)")] = SmoothSearch.refine,
     smooth_samples: Annotated[int | None, typer.Option(help="QQQ: calibration samples of the smoothing loss, rounded up to whole batches (default all)")] = None,
     smooth_check: Annotated[bool, typer.Option("--smooth-check/--no-smooth-check", help="QQQ: keep a group's smoothing only if it also helps after GPTQ")] = True,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="output folder")] = None,
@@ -127,7 +133,8 @@ def quantize(
 
 
 def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format, calib, nsamples, seqlen,
-              seed, chat_template, damp, mse, duo_scaling, clip, smooth_steps, smooth_samples, smooth_check, output, overwrite, dtype, device, batch_size, evaluate,
+              seed, chat_template, damp, mse, duo_scaling, clip, smooth_steps, smooth_search, smooth_samples, smooth_check,
+              output, overwrite, dtype, device, batch_size, evaluate,
               eval_windows, trust_remote_code, allow_pickle, verbose) -> None:
     from quantkit.config import QuantConfig
     from quantkit.data import build_calibration_set, load_passages
@@ -151,7 +158,7 @@ def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format
     config = QuantConfig(method=method, bits=bits, group_size=resolve_group_size(lm, adapter, group_size),
                          sym=not asym, act_order=act_order and method in ("gptq", "qqq"), act_bits=act_bits,
                          damp_percent=damp, mse=mse, awq_duo_scaling=duo_scaling, awq_clip=clip, smooth_steps=smooth_steps,
-                         smooth_samples=smooth_samples, smooth_check=smooth_check).validate()
+                         smooth_search=smooth_search.value, smooth_samples=smooth_samples, smooth_check=smooth_check).validate()
     get_format(format.value).check(config)
     console.print(f"[bold]{lm.config.model_type}[/] {config.method} W{config.bits}A{config.act_bits} "
                   f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format.value}, "

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from quantkit.qtensor import QuantizationError
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
+SMOOTH_SEARCHES = ("refine", "grid")
 
 
 @dataclass
@@ -26,6 +27,7 @@ class QuantConfig:
     awq_grid: int = 20
     awq_clip: bool = True
     smooth_steps: int | None = None  # QQQ thresholds; None: the reference's max(100, max|x| / 0.5)
+    smooth_search: str = "refine"  # QQQ: "grid" evaluates every threshold (the reference), "refine" coarse-to-fine
     # QQQ: calibration sequences its smoothing loss runs on, rounded up to whole calibration batches (None: all)
     smooth_samples: int | None = None
     # QQQ: keep a layer group's smoothing only if it lowers the block loss after GPTQ too (not only after rounding)
@@ -50,6 +52,8 @@ class QuantConfig:
             raise QuantizationError(f"damp_percent must be in (0, 1), got {self.damp_percent}")
         if self.smooth_steps is not None and self.smooth_steps < 1:
             raise QuantizationError(f"smooth_steps must be at least 1, got {self.smooth_steps}")
+        if self.smooth_search not in SMOOTH_SEARCHES:
+            raise QuantizationError(f"smooth_search must be one of {SMOOTH_SEARCHES}, got {self.smooth_search!r}")
         if self.smooth_samples is not None and self.smooth_samples < 1:
             raise QuantizationError(f"smooth_samples must be at least 1, got {self.smooth_samples}")
         return self

@@ -75,14 +75,16 @@ def test_act_order_is_the_default_and_can_be_turned_off(tiny_llama, tmp_path) ->
 
 
 def test_qqq_checks_its_smoothing_unless_told_not_to(tiny_llama, tmp_path) -> None:
-    for flag, expected in (((), True), (("--no-smooth-check",), False)):
+    for flags, expected, search in (((), True, "refine"), (("--no-smooth-check", "--smooth-search", "grid"),
+                                                           False, "grid")):
         out = tmp_path / f"q{expected}"
         result = _quantize(str(tiny_llama), "--method", "qqq", "--act-bits", "8", "--group-size", "32",
-                           "--smooth-steps", "4", *flag, "--output", str(out))
+                           "--smooth-steps", "4", *flags, "--output", str(out))
         assert result.exit_code == 0, result.output
         meta = json.loads((out / "quantkit.json").read_text())
-        assert meta["quant_config"]["smooth_check"] is expected
+        assert meta["quant_config"]["smooth_check"] is expected and meta["quant_config"]["smooth_search"] == search
         smoothing = [group for layer in meta["report"]["layers"] for group in layer["smoothing"].values()]
+        assert all(group["thresholds_evaluated"] == 5 for group in smoothing)  # 4 steps: 5 thresholds, either way
         checked = [group["gptq_losses"] is not None for group in smoothing if group["scaled_channels"]
                    or group["rejected_threshold"] is not None]
         assert checked and (all(checked) if expected else not any(checked))

@@ -27,7 +27,8 @@ GROUP = 128
 RUNS = {
     "gptq-w4a16": QuantConfig(method="gptq", group_size=GROUP, act_order=True),
     "rtn-w4a8": QuantConfig(method="rtn", group_size=GROUP, act_bits=8),
-    "qqq-w4a8": QuantConfig(method="qqq", group_size=GROUP, act_bits=8, smooth_steps=25, smooth_samples=8),
+    "qqq-w4a8": QuantConfig(method="qqq", group_size=GROUP, act_bits=8, smooth_steps=25, smooth_samples=8,
+                            smooth_search="grid"),
 }
 # GPTQ's weights do not depend on act_bits: W4A8 evaluates gptq-w4a16's (realmodel.with_act_bits)
 GPTQ_W4A8 = QuantConfig(method="gptq", group_size=GROUP, act_bits=8, act_order=True)

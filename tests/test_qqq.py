@@ -36,6 +36,7 @@ from quantkit.quantizers.qqq import (
     confirm_after_gptq,
     int8_matmul,
     make_grid,
+    refine_on_grid,
     search_smoothing,
     threshold_scales,
 )
@@ -160,7 +161,8 @@ def test_threshold_search_is_the_brute_force_argmin() -> None:
     x = torch.randn(160, 24, generator=gen, dtype=torch.float64)
     x[:, [2, 7]] *= torch.tensor([30.0, -12.0], dtype=torch.float64)  # one-sided outliers
     w = torch.randn(16, 24, generator=gen, dtype=torch.float64) * 0.05
-    choice = search_smoothing(SmoothingProbe.for_matmul([x[:100], x[100:]], [w], group_size=-1), steps=None)
+    probe = SmoothingProbe.for_matmul([x[:100], x[100:]], [w], group_size=-1)
+    choice = search_smoothing(probe, steps=None, search="grid")
 
     bound = x.abs().max().item()
     count = max(100, int(bound / 0.5))
@@ -174,6 +176,46 @@ def test_threshold_search_is_the_brute_force_argmin() -> None:
     assert choice.loss_unsmoothed == pytest.approx(losses[0], rel=1e-5)
     assert int((choice.scales != 1).sum()) == sum(
         1 for j in range(24) if x[:, j].max() > choice.threshold or x[:, j].min() < -choice.threshold)
+    assert choice.evaluated == count + 1
+
+    # the default, coarse-to-fine: the same minimum here, from a third of the losses
+    refined = search_smoothing(probe, steps=None)
+    assert refined.threshold == choice.threshold and refined.loss == choice.loss
+    assert refined.loss_unsmoothed == choice.loss_unsmoothed and refined.evaluated < (count + 1) / 2
+
+
+def visits(losses: list[float], **options) -> dict[int, float]:
+    """The grid indices refine_on_grid evaluates on these losses, with their losses."""
+    seen: dict[int, float] = {}
+
+    def loss(index: int) -> float:
+        seen[index] = losses[index]
+        return losses[index]
+
+    refine_on_grid(loss, len(losses), **options)
+    return seen
+
+
+@pytest.mark.parametrize("count", [1, 2, 25, 101, 2001])
+def test_refined_search_finds_a_valleys_floor(count: int) -> None:
+    """A single valley, anywhere on the grid (ends included): the descent reaches its floor exactly."""
+    for floor in sorted({0, count // 3, count - 1}):
+        seen = visits([abs(i - floor) + 0.5 for i in range(count)])
+        assert min(seen, key=seen.__getitem__) == floor
+        assert len(seen) <= min(count, 25 + 3 * 2 * max(1, count).bit_length())
+
+
+def test_refined_search_on_rugged_losses() -> None:
+    """Every coarse candidate (every 5th of 101, both ends), a few refinements around them, never worse than the
+    coarse pass; every index when the grid is no finer than the coarse pass."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        losses = (torch.rand(101, generator=gen) + torch.linspace(1, 0, 101) ** 2).tolist()
+        seen = visits(losses)
+        coarse = set(range(0, 101, 5))
+        assert coarse <= set(seen) and len(seen) <= len(coarse) + 3 * 2 * 3  # 3 starts, steps 3, 2, 1
+        assert min(seen.values()) <= min(losses[i] for i in coarse)
+    assert set(visits(losses[:25])) == set(range(25))
 
 
 def outlier_probe() -> tuple[SmoothingProbe, torch.Tensor, torch.Tensor]:
@@ -298,6 +340,8 @@ def test_qqq_forces_its_scheme(caplog) -> None:
     assert any("act_bits" in r.message for r in caplog.records)
     with pytest.raises(QuantizationError, match="4-bit"):
         get_method(QuantConfig(method="qqq", bits=8))
+    with pytest.raises(QuantizationError, match="smooth_search must be one of"):
+        get_method(QuantConfig(method="qqq", smooth_search="golden"))
 
 
 @pytest.mark.parametrize("group_size", [-1, 32])

@@ -15,6 +15,11 @@ arXiv:2406.09904): 4-bit weights and per-token dynamic int8 activations (W4A8), 
    rotary embedding and mask included), for gate/up SiLU(gate) * up (the input of down_proj), for o and
    down the matmul. The best s is folded into the previous op (1/s) and the linears (s). The first
    candidate, t = max|x|, is s = 1: smoothing never raises the loss on the calibration set.
+   The reference evaluates every candidate (config.smooth_search = "grid"); by default ("refine", not in
+   the reference) a coarse pass over every ~count/24-th threshold and local searches from its 3 best find a
+   loss within 0.05% (mean; 1.2% worst) of the full grid's minimum in a third of its evaluations on SmolLM2's
+   groups, and the count no longer grows with max|x| (massive activations of 1000 make the reference
+   rule's grid 2000 candidates, the refined search ~70 evaluations).
    With config.smooth_check (default; not in the reference) the searched s is kept only if it also lowers
    the loss when GPTQ, not rounding, quantizes the group's weights (Hessian of x / s on the loss tokens):
    GPTQ's compensation can undo what smoothing gains under rounding. On Gemma-3-270M g128 this turns QQQ
@@ -77,6 +82,10 @@ REQUIRED_OPTIONS = {"act_order": True, "sym": True, "act_bits": 8}
 # int8 products are at most 127 * 128 in magnitude: any 1024 of them, summed in any order, stay below 2**24,
 # where fp32 holds every integer
 EXACT_FP32_PRODUCTS = 1024
+# the refined threshold search: a first pass over every ceil(count / 24)-th candidate, then local searches from
+# its 3 best (on SmolLM2's losses: 0.05% above the full grid's minimum on average, with a third of its evaluations)
+COARSE_PASS = 24
+REFINED_STARTS = 3
 
 
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -308,25 +317,52 @@ class SmoothingChoice:
     loss_unsmoothed: float  # the loss at the first candidate, s = 1
     gptq_losses: tuple[float, float] | None = None  # (smoothed, unsmoothed) after GPTQ, when checked
     rejected: float | None = None  # the searched threshold the GPTQ check turned down
+    evaluated: int = 1  # thresholds whose loss the search computed
 
     def summary(self) -> dict:
         return {"threshold": self.threshold, "scaled_channels": int((self.scales != 1).sum()),
                 "max_scale": float(self.scales.max()), "loss": self.loss,
                 "loss_unsmoothed": self.loss_unsmoothed, "gptq_losses": self.gptq_losses,
-                "rejected_threshold": self.rejected}
+                "rejected_threshold": self.rejected, "thresholds_evaluated": self.evaluated}
 
 
-def search_smoothing(probe: SmoothingProbe, steps: int | None) -> SmoothingChoice:
-    """The threshold whose scales minimise probe.loss; the first (largest) of equal losses wins."""
-    bound = probe.bound()
-    best: SmoothingChoice | None = None
-    for threshold in candidate_thresholds(bound, steps):
-        scales = threshold_scales(probe.channel_max, probe.channel_min, threshold)
-        loss = probe.loss(scales)
-        if best is None or loss < best.loss:
-            best = SmoothingChoice(threshold, scales, loss, loss if best is None else best.loss_unsmoothed)
-    assert best is not None  # candidate_thresholds is never empty
-    return best
+def refine_on_grid(loss: Callable[[int], float], count: int, coarse: int = COARSE_PASS,
+                   starts: int = REFINED_STARTS) -> None:
+    """Calls `loss` (memoised by the caller) on the grid indices 0..count-1 a coarse-to-fine search visits: every
+    stride-th index (stride = ceil((count - 1) / coarse); the first and last always), then from each of the
+    `starts` best of them a local search that halves the spacing down to neighbouring indices. The loss is rugged
+    at the grid's spacing (integer roundings), so one descent alone can end in the wrong valley."""
+    stride = max(1, -(-(count - 1) // coarse))
+    visited = sorted({*range(0, count, stride), count - 1})
+    for best in sorted(visited, key=lambda i: (loss(i), i))[:starts]:
+        step = stride
+        while step > 1:
+            step = (step + 1) // 2
+            around = [i for i in (best - step, best, best + step) if 0 <= i < count]
+            best = min(around, key=lambda i: (loss(i), i))
+
+
+def search_smoothing(probe: SmoothingProbe, steps: int | None, search: str = "refine") -> SmoothingChoice:
+    """The threshold whose scales minimise probe.loss among those `search` visits ("grid": every candidate, as
+    the reference; "refine": refine_on_grid); the first (largest) of equal losses wins."""
+    thresholds = candidate_thresholds(probe.bound(), steps)
+    losses: dict[int, float] = {}
+
+    def scales(index: int) -> torch.Tensor:
+        return threshold_scales(probe.channel_max, probe.channel_min, thresholds[index])
+
+    def loss(index: int) -> float:
+        if index not in losses:
+            losses[index] = probe.loss(scales(index))
+        return losses[index]
+
+    if search == "grid":
+        for index in range(len(thresholds)):
+            loss(index)
+    else:
+        refine_on_grid(loss, len(thresholds))
+    best = min(losses, key=lambda i: (losses[i], i))
+    return SmoothingChoice(thresholds[best], scales(best), losses[best], loss(0), evaluated=len(losses))
 
 
 def confirm_after_gptq(probe: SmoothingProbe, choice: SmoothingChoice, config: QuantConfig) -> SmoothingChoice:
@@ -340,7 +376,8 @@ def confirm_after_gptq(probe: SmoothingProbe, choice: SmoothingChoice, config: Q
     if smoothed < unsmoothed:
         return choice
     return SmoothingChoice(probe.bound(), ones, choice.loss_unsmoothed,
-                           choice.loss_unsmoothed, gptq_losses=choice.gptq_losses, rejected=choice.threshold)
+                           choice.loss_unsmoothed, gptq_losses=choice.gptq_losses, rejected=choice.threshold,
+                           evaluated=choice.evaluated)
 
 
 class _Stop(Exception):
@@ -468,7 +505,7 @@ class QQQ(Method):
         for group in active_scaling_groups(ctx.layer, ctx.adapter):
             make_probe = _module_probe if group.inspect else _matmul_probe
             probe = make_probe(ctx, group, self.config.group_size, self._loss_batches(ctx))
-            choice = search_smoothing(probe, self.config.smooth_steps)
+            choice = search_smoothing(probe, self.config.smooth_steps, self.config.smooth_search)
             if self.config.smooth_check:
                 choice = confirm_after_gptq(probe, choice, self.config)
             fold_scales(ctx.layer, ctx.adapter, group, choice.scales)
