@@ -168,9 +168,11 @@ def test_eval_compares_a_model_and_its_export(tiny_llama, tmp_path) -> None:
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     result = _Result(["eval", str(tiny_llama), str(out), "--text", str(text), "--seqlen", "64",
-                      "--max-windows", "2", "--json", str(tmp_path / "r.json"), "--device", "cpu"])
+                      "--max-windows", "2", "--json", str(tmp_path / "r.json"), "--device", "cpu",
+                      "--speculative", "--draft-tokens", "1,3", "--max-new-tokens", "6"])
     assert result.exit_code == 0, result.output
     models = json.loads((tmp_path / "r.json").read_text())["models"]
-    assert len(models) == 2
+    assert len(models) == 2 and "speculative" not in models[0] and models[0]["generations"] == []
+    assert set(models[1]["speculative"]["greedy_tokens_per_pass"]) == {"1", "3"}  # the export drafts for the model
     ppl = [next(iter(m["perplexity"].values()))["ppl"] for m in models]
     assert all(p > 1 for p in ppl) and ppl[0] != ppl[1]

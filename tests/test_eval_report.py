@@ -73,6 +73,12 @@ def test_report_files_hold_every_metric_and_delta(tmp_path):
         assert f"![{name}]({name}.png)" in markdown
 
 
+def test_speculative_decoding_needs_a_draft(tmp_path):
+    with pytest.raises(ValueError, match="a target and at least one draft"):
+        run_eval(["only"], texts=[], tasks=[], limit=None, num_fewshot=None, generations=False, report_dir=None,
+                 json_path=None, batch_size=1, device="cpu", draft_tokens=[4])
+
+
 def test_rich_tables_show_each_model():
     console = Console(record=True, width=200)
     console.print(report.summary_table(SYNTHETIC))
@@ -136,9 +142,12 @@ def test_run_eval_end_to_end_on_a_tiny_model(tiny_lm, tmp_path):  # noqa: F811
         loader=lambda name: (models[name], tokenizer, name),
         prompts=["Water boils at", "하늘이"],
         max_new_tokens=4,
+        draft_tokens=[1, 2],
     )
     assert json.loads((tmp_path / "only.json").read_text(encoding="utf-8"))["config"]["limit"] == 3
     _check_report_dir(tmp_path / "report", results)
+    assert "## Speculative decoding (target: base)" in (tmp_path / "report" / "report.md").read_text(encoding="utf-8")
+    assert results["models"][1]["speculative"]["tokens"] <= 2 * 4
     base = results["models"][0]
     assert base["tasks"]["winogrande"]["n"] == 3 and set(base["tasks"]["boolq"]["metrics"]) == {"acc"}
     assert base["perplexity"]["sample"]["ppl"] > 1

@@ -60,16 +60,23 @@ def generate(
     return outputs
 
 
-@torch.no_grad()
-def _generate_batch(
-    model, tokenizer, rows: list[list[int]], max_new_tokens: int, stop: Sequence[str]
-) -> list[str]:
+def greedy_config(model, tokenizer, max_new_tokens: int) -> GenerationConfig:
+    """Plain greedy decoding (none of the model's own sampling or penalty defaults), stopping at its EOS."""
     eos = model.generation_config.eos_token_id
     if eos is None:
         eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     if isinstance(pad, list):
         pad = pad[0]
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+
+
+@torch.no_grad()
+def _generate_batch(
+    model, tokenizer, rows: list[list[int]], max_new_tokens: int, stop: Sequence[str]
+) -> list[str]:
+    config = greedy_config(model, tokenizer, max_new_tokens)
+    pad = config.pad_token_id
     width = max(map(len, rows))
     # Left padding: every row's next token is then predicted at the same (last) position.
     input_ids = torch.full((len(rows), width), pad if pad is not None else 0, dtype=torch.long)
@@ -78,9 +85,6 @@ def _generate_batch(
         input_ids[b, width - len(row) :] = torch.tensor(row)
         attention_mask[b, width - len(row) :] = 1
     device = next(model.parameters()).device
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad
-    )
     criteria = StoppingCriteriaList([StopOnStrings(tokenizer, stop, width)] if stop else [])
     output = model.generate(
         input_ids=input_ids.to(device),

@@ -2,7 +2,8 @@
 
 `results` is what `run_eval` returns: {"date", "config", "prompts", "models": [{"label", "model",
 "tasks": {task: {"metrics": {metric: {"value", "stderr"}}, "n", "num_fewshot", "primary_metric",
-"seconds"}}, "perplexity": {text: {"ppl", ...}}, "generations": [str, ...]}, ...]}.
+"seconds"}}, "perplexity": {text: {"ppl", ...}}, "generations": [str, ...], and for every model after the first
+when speculative decoding was measured "speculative": quantkit.eval.speculative.acceptance's dict}, ...]}.
 """
 
 from __future__ import annotations
@@ -57,6 +58,25 @@ def perplexity_rows(results: dict) -> list[list[str]]:
     return rows
 
 
+def speculative_headers(results: dict) -> list[str]:
+    ks = results["config"]["draft_tokens"]
+    return (["draft", "tokens", "greedy match", *[f"greedy tokens/pass k={k}" for k in ks], "alpha (T=1)",
+             *[f"T=1 tokens/pass k={k}" for k in ks]])
+
+
+def speculative_rows(results: dict) -> list[list[str]]:
+    """Per draft model: greedy match rate, greedy tokens per target pass per draft length (exact), alpha at
+    temperature 1 and its i.i.d. tokens per pass."""
+    rows = []
+    for model in results["models"][1:]:
+        found = model["speculative"]
+        rows.append([model["label"], str(found["tokens"]), f"{100 * found['greedy_match']:.1f}%",
+                     *[f"{v:.2f}" for v in found["greedy_tokens_per_pass"].values()],
+                     f"{100 * found['alpha_t1']:.1f}%",
+                     *[f"{v:.2f}" for v in found["expected_tokens_per_pass_t1"].values()]])
+    return rows
+
+
 def _labels(results: dict) -> list[str]:
     return [m["label"] for m in results["models"]]
 
@@ -74,6 +94,15 @@ def summary_table(results: dict) -> Table:
         table.add_row(row[0], row[1], row[2], *row[4:])
     for row in perplexity_rows(results):
         table.add_row(row[0], "perplexity", "", *row[1:])
+    return table
+
+
+def speculative_table(results: dict) -> Table:
+    table = Table(title=f"Speculative decoding with {results['models'][0]['label']} as the target")
+    for header in speculative_headers(results):
+        table.add_column(header, justify="left" if header == "draft" else "right")
+    for row in speculative_rows(results):
+        table.add_row(*row)
     return table
 
 
@@ -126,7 +155,20 @@ def markdown_report(results: dict, plots: list[str]) -> str:
             *_markdown_table(headers, perplexity_rows(results)),
         ]
     lines += [f"![{Path(p).stem}]({p})\n" for p in plots]
-    if results["prompts"]:
+    if config.get("draft_tokens"):
+        lines += [
+            f"## Speculative decoding (target: {results['models'][0]['label']})",
+            "",
+            "Each model after the first drafts for the first on the evaluation prompts (the first's greedy "
+            f"continuations, up to {config['max_new_tokens']} tokens each). Greedy: the share of positions where "
+            "the draft's greedy token is the target's, and the exact tokens per target forward pass with k drafted "
+            "tokens per pass. T=1: alpha, the probability that a token sampled from the draft is accepted "
+            "(sum of min(p, q) over the vocabulary), and the tokens per pass it gives if acceptances are "
+            "independent, (1 - alpha^(k+1)) / (1 - alpha).",
+            "",
+            *_markdown_table(speculative_headers(results), speculative_rows(results)),
+        ]
+    if results["models"][0]["generations"]:
         lines += ["## Generations", ""]
         for i, prompt in enumerate(results["prompts"]):
             lines += [f"### Prompt {i + 1}", "", *_fenced(prompt)]

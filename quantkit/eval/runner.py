@@ -1,4 +1,5 @@
-"""`run_eval`: tasks, perplexity and side-by-side generations for several models, then the report."""
+"""`run_eval`: tasks, perplexity, side-by-side generations and speculative-decoding acceptance for several models,
+then the report."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from quantkit import __version__
-from quantkit.eval import lm_eval_backend, native, report
+from quantkit.eval import lm_eval_backend, native, report, speculative
 from quantkit.eval.generation import chat_prompt, generate
 from quantkit.eval.tasks import Task, build_prompts, get_task
 
@@ -97,11 +98,14 @@ def run_eval(
     prompts: list[str] | None = None,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     max_windows: int | None = None,
+    draft_tokens: list[int] | None = None,
 ) -> dict:
     """Evaluate each model (the first is the baseline for deltas) and write the requested outputs.
 
     texts: perplexity sources (files or hub names); None = the shipped English and Korean held-out
-    text, [] = no perplexity. prompts: for generations; None = calib_data/eval_prompts.json.
+    text, [] = no perplexity. prompts: for generations and speculative decoding; None =
+    calib_data/eval_prompts.json. draft_tokens: draft lengths at which every model after the first is
+    measured as a speculative-decoding draft for the first (quantkit.eval.speculative); None = not measured.
     """
     console = console or Console()
     if not models:
@@ -110,10 +114,13 @@ def run_eval(
         raise ValueError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
     if backend == "lm-eval":
         lm_eval_backend.check_available()
+    if draft_tokens is not None and (len(models) < 2 or not draft_tokens or min(draft_tokens) < 1):
+        raise ValueError("speculative decoding needs a target and at least one draft model, and draft lengths >= 1")
     limits = task_limits(tasks, limit)
     task_list = [get_task(name) for name in limits]
     sources = _text_sources(texts)
-    prompt_list = (prompts if prompts is not None else load_prompts()) if generations else []
+    wants_prompts = generations or draft_tokens is not None
+    prompt_list = (prompts if prompts is not None else load_prompts()) if wants_prompts else []
     device = _resolve_device(device)
     prepared = (
         {t.name: build_prompts(t, limits[t.name], num_fewshot) for t in task_list} if backend == "native" else {}
@@ -134,20 +141,24 @@ def run_eval(
             "device": device,
             "generations": generations,
             "max_new_tokens": max_new_tokens,
+            "draft_tokens": draft_tokens,
             "versions": _versions(),
         },
         "prompts": prompt_list,
         "models": [],
     }
     loader = loader or _default_loader(device)
+    target = None
     for name in models:
-        entry = _evaluate_model(
-            name, loader, task_list, prepared, sources, prompt_list, results["config"], console
+        entry, target = _evaluate_model(
+            name, loader, task_list, prepared, sources, prompt_list, results["config"], console, target
         )
         entry["label"] = _unique_label(entry["label"], [m["label"] for m in results["models"]])
         results["models"].append(entry)
     console.print(report.summary_table(results))
-    if prompt_list:
+    if draft_tokens is not None:
+        console.print(report.speculative_table(results))
+    if generations:
         console.print(report.generations_table(results))
     if report_dir is not None:
         written = report.write_report(results, Path(report_dir))
@@ -166,7 +177,9 @@ def _evaluate_model(
     prompt_list: list[str],
     config: dict,
     console: Console,
-) -> dict:
+    target: speculative.TargetRun | None,
+) -> tuple[dict, speculative.TargetRun | None]:
+    """The model's entry, and the speculative-decoding target run (made from the first model, when asked for)."""
     start = time.perf_counter()
     model, tokenizer, label = loader(name)
     model = _place(model, config["device"])
@@ -176,12 +189,21 @@ def _evaluate_model(
         task.name: _run_task(model, tokenizer, task, prepared, config, console) for task in task_list
     }
     entry["perplexity"] = _perplexities(model, tokenizer, sources, config, console)
-    entry["generations"] = _generations(model, tokenizer, prompt_list, config)
+    entry["generations"] = _generations(model, tokenizer, prompt_list, config) if config["generations"] else []
+    if config["draft_tokens"] is not None:
+        start = time.perf_counter()
+        if target is None:
+            target = speculative.run_target(model, tokenizer, prompt_list, config["max_new_tokens"])
+        else:
+            entry["speculative"] = speculative.acceptance(model, tokenizer, target, config["draft_tokens"])
+            console.print(f"  speculative draft: greedy match {100 * entry['speculative']['greedy_match']:.1f}%, "
+                          f"alpha (T=1) {100 * entry['speculative']['alpha_t1']:.1f}% "
+                          f"({time.perf_counter() - start:.1f} s)")
     del model
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return entry
+    return entry, target
 
 
 def _run_task(model, tokenizer, task: Task, prepared: dict, config: dict, console: Console) -> dict:
