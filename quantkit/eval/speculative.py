@@ -48,10 +48,10 @@ def _device(model) -> torch.device:
 def run_target(model, tokenizer, prompts: Sequence[str], max_new_tokens: int) -> TargetRun:
     """Greedy continuations, one prompt at a time (no padding), with the logits generation chose them from."""
     config = greedy_config(model, tokenizer, max_new_tokens)
+    config.output_logits = config.return_dict_in_generate = True
     run = TargetRun(list(prompts), encode_prompts(tokenizer, prompts), [], [])
     for ids in run.prompts:
-        out = model.generate(input_ids=torch.tensor([ids], device=_device(model)), generation_config=config,
-                             output_logits=True, return_dict_in_generate=True)
+        out = model.generate(input_ids=torch.tensor([ids], device=_device(model)), generation_config=config)
         run.continuations.append(out.sequences[0, len(ids):].tolist())
         run.probabilities.append(torch.cat(out.logits).float().softmax(dim=-1).cpu())
     return run
