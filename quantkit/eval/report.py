@@ -59,21 +59,20 @@ def perplexity_rows(results: dict) -> list[list[str]]:
 
 
 def speculative_headers(results: dict) -> list[str]:
-    ks = results["config"]["draft_tokens"]
-    return (["draft", "tokens", "greedy match", *[f"greedy tokens/pass k={k}" for k in ks], "alpha (T=1)",
-             *[f"T=1 tokens/pass k={k}" for k in ks]])
+    return ["draft", "tokens", "greedy match", "alpha (T=1)", *[f"k={k}" for k in results["config"]["draft_tokens"]]]
 
 
 def speculative_rows(results: dict) -> list[list[str]]:
-    """Per draft model: greedy match rate, greedy tokens per target pass per draft length (exact), alpha at
-    temperature 1 and its i.i.d. tokens per pass."""
+    """Per draft model: greedy match rate, alpha at temperature 1, then per draft length k the tokens per target
+    pass, greedy (exact) / at T=1 (i.i.d. estimate)."""
     rows = []
     for model in results["models"][1:]:
         found = model["speculative"]
+        per_pass = [f"{greedy:.2f} / {sampled:.2f}" for greedy, sampled in
+                    zip(found["greedy_tokens_per_pass"].values(), found["expected_tokens_per_pass_t1"].values(),
+                        strict=True)]
         rows.append([model["label"], str(found["tokens"]), f"{100 * found['greedy_match']:.1f}%",
-                     *[f"{v:.2f}" for v in found["greedy_tokens_per_pass"].values()],
-                     f"{100 * found['alpha_t1']:.1f}%",
-                     *[f"{v:.2f}" for v in found["expected_tokens_per_pass_t1"].values()]])
+                     f"{100 * found['alpha_t1']:.1f}%", *per_pass])
     return rows
 
 
@@ -98,7 +97,8 @@ def summary_table(results: dict) -> Table:
 
 
 def speculative_table(results: dict) -> Table:
-    table = Table(title=f"Speculative decoding with {results['models'][0]['label']} as the target")
+    table = Table(title=f"Speculative decoding, target {results['models'][0]['label']}: tokens per target pass "
+                        "with k drafted, greedy / T=1")
     for header in speculative_headers(results):
         table.add_column(header, justify="left" if header == "draft" else "right")
     for row in speculative_rows(results):
@@ -161,10 +161,10 @@ def markdown_report(results: dict, plots: list[str]) -> str:
             "",
             "Each model after the first drafts for the first on the evaluation prompts (the first's greedy "
             f"continuations, up to {config['max_new_tokens']} tokens each). Greedy: the share of positions where "
-            "the draft's greedy token is the target's, and the exact tokens per target forward pass with k drafted "
-            "tokens per pass. T=1: alpha, the probability that a token sampled from the draft is accepted "
-            "(sum of min(p, q) over the vocabulary), and the tokens per pass it gives if acceptances are "
-            "independent, (1 - alpha^(k+1)) / (1 - alpha).",
+            "the draft's greedy token is the target's; alpha (T=1): the probability that a token sampled from the "
+            "draft is accepted (sum of min(p, q) over the vocabulary). Columns k: tokens per target forward pass "
+            "with k drafted tokens per pass, greedy (exact) / T=1 (if acceptances are independent, "
+            "(1 - alpha^(k+1)) / (1 - alpha)).",
             "",
             *_markdown_table(speculative_headers(results), speculative_rows(results)),
         ]
