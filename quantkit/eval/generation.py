@@ -35,6 +35,15 @@ def chat_prompt(tokenizer, prompt: str) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def encode(tokenizer, prompts: Sequence[str], chat: bool = False) -> list[list[int]]:
+    """Token ids of the prompts, as is, or with chat: in the tokenizer's chat template (chat_prompt), which writes
+    its own special tokens (the tokenizer adds its own only when there is no template)."""
+    if not chat:
+        return tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    return tokenizer([chat_prompt(tokenizer, p) for p in prompts], add_special_tokens=not templated)["input_ids"]
+
+
 def generate(
     model,
     tokenizer,
@@ -43,11 +52,12 @@ def generate(
     max_new_tokens: int,
     stop: Sequence[str] = (),
     batch_size: int = 8,
-    add_special_tokens: bool = False,
+    chat: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> list[str]:
-    """Greedy continuations of the prompts, cut at the first stop string, in the prompts' order."""
-    encoded = tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
+    """Greedy continuations of the prompts (encoded as `encode` does), cut at the first stop string, in the
+    prompts' order."""
+    encoded = encode(tokenizer, prompts, chat)
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]), reverse=True)
     outputs = [""] * len(prompts)
     for start in range(0, len(order), batch_size):

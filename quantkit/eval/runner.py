@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from quantkit import __version__
 from quantkit.eval import lm_eval_backend, native, report, speculative
-from quantkit.eval.generation import chat_prompt, generate
+from quantkit.eval.generation import generate
 from quantkit.eval.tasks import Task, build_prompts, get_task
 
 BACKENDS = ("native", "lm-eval")
@@ -271,14 +271,13 @@ def _perplexities(model, tokenizer, sources: dict[str, str], config: dict, conso
 def _generations(model, tokenizer, prompt_list: list[str], config: dict) -> list[str]:
     if not prompt_list:
         return []
-    templated = bool(getattr(tokenizer, "chat_template", None))
     return generate(
         model,
         tokenizer,
-        [chat_prompt(tokenizer, p) for p in prompt_list],
+        prompt_list,
         max_new_tokens=config["max_new_tokens"],
         batch_size=config["batch_size"],
-        add_special_tokens=not templated,  # a chat template writes its own special tokens
+        chat=True,
     )
 
 

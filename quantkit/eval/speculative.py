@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.eval.generation import chat_prompt, greedy_config
+from quantkit.eval.generation import encode, greedy_config
 
 DEFAULT_DRAFT_TOKENS = (1, 2, 4, 8)
 
@@ -35,11 +35,6 @@ class TargetRun:
     probabilities: list[torch.Tensor]  # [len(continuation), vocab] float32, on the CPU
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
-    templated = bool(getattr(tokenizer, "chat_template", None))  # a chat template writes its own special tokens
-    return [tokenizer(chat_prompt(tokenizer, p), add_special_tokens=not templated)["input_ids"] for p in prompts]
-
-
 def _device(model) -> torch.device:
     return next(model.parameters()).device
 
@@ -49,7 +44,7 @@ def run_target(model, tokenizer, prompts: Sequence[str], max_new_tokens: int) ->
     """Greedy continuations, one prompt at a time (no padding), with the logits generation chose them from."""
     config = greedy_config(model, tokenizer, max_new_tokens)
     config.output_logits = config.return_dict_in_generate = True
-    run = TargetRun(list(prompts), encode_prompts(tokenizer, prompts), [], [])
+    run = TargetRun(list(prompts), encode(tokenizer, prompts, chat=True), [], [])
     for ids in run.prompts:
         out = model.generate(input_ids=torch.tensor([ids], device=_device(model)), generation_config=config)
         run.continuations.append(out.sequences[0, len(ids):].tolist())
@@ -93,7 +88,7 @@ def target_passes(matches: Sequence[bool], draft_tokens: int) -> int:
 def acceptance(model, tokenizer, target: TargetRun, draft_tokens: Sequence[int] = DEFAULT_DRAFT_TOKENS) -> dict:
     """The draft's acceptance against the target: greedy match rate, greedy tokens per target pass for each draft
     length, alpha at temperature 1 and its i.i.d. tokens per pass; overall and per prompt."""
-    if encode_prompts(tokenizer, target.texts) != target.prompts:
+    if encode(tokenizer, target.texts, chat=True) != target.prompts:
         raise ValueError("the draft's tokenizer encodes the prompts differently from the target's: speculative "
                          "decoding needs one vocabulary")
     matches, alphas = draft_agreement(model, target)
