@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from bench_kernels import SHAPES, copies_for, graph_time, tma_gemv_sweep_configs
+from quantkit.kernels.w4a16_swap import layout_shape
 from quantkit.kernels.w4a16_tma_gemv import _descriptor, _ring_end, _ring_start, _ring_take, w4a16_tma_gemv
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -41,16 +42,16 @@ def _ring_copy_kernel(w_desc, out_ptr, N, K, SPLIT_K, STAGES: gl.constexpr, num_
     tiles = K // (8 * KW) // SPLIT_K
     first_tile = pid_k * tiles
     off_n = pid_n * BLOCK_N
-    ring, bars = _ring_start(w_desc, off_n, first_tile, tiles, STAGES)
+    ring, bars = _ring_start(w_desc, off_n, first_tile, tiles, N, STAGES)
     acc = gl.zeros([BLOCK_N, KW], gl.int32, words_layout)
     for kt in range(tiles):
-        acc = acc ^ _ring_take(w_desc, ring, bars, kt, off_n, first_tile, tiles, STAGES, words_layout)
+        acc = acc ^ _ring_take(w_desc, ring, bars, kt, off_n, first_tile, tiles, N, STAGES, words_layout)
     _ring_end(bars, STAGES)
     gl.store(out_ptr + pid, gl.sum(gl.sum(acc, axis=1), axis=0))
 
 
 def ring_copy(packed: torch.Tensor, k: int, config: dict, out: torch.Tensor) -> None:
-    n, bn, bk, split = packed.shape[0], config["BLOCK_N"], config["BLOCK_K"], config["SPLIT_K"]
+    n, bn, bk, split = layout_shape(packed, k)[0], config["BLOCK_N"], config["BLOCK_K"], config["SPLIT_K"]
     _ring_copy_kernel[(n // bn * split,)](_descriptor(packed, bn, bk), out, n, k, split, STAGES=config["num_stages"],
                                           num_warps=config["num_warps"])
 

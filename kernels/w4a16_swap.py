@@ -65,6 +65,24 @@ def repack_for_swap(qweight: torch.Tensor, columns: int = 1024) -> torch.Tensor:
     return pack_nibble_slices(qweight, (0, 4, 8, 12), torch.int16, columns=columns)
 
 
+def k_blocked(packed: torch.Tensor, k: int, block: int) -> torch.Tensor:
+    """A swap-layout weight [N, K / p] (p inputs per element) in K blocks of `block` inputs: [K / block * N,
+    block / p], block b of row n at row b N + n. A K tile of BLOCK_N rows inside one block is then one contiguous
+    run of memory (one DRAM page run) instead of BLOCK_N runs a weight row apart; the TMA kernels read either form
+    (`layout_shape`). The plain layout is the case block = K."""
+    n, width = packed.shape
+    if k % block or width * block % k:
+        raise ValueError(f"K {k} does not split into whole blocks of {block} inputs ({width} elements a row)")
+    blocks = k // block
+    return packed.view(n, blocks, width // blocks).transpose(0, 1).reshape(blocks * n, width // blocks)
+
+
+def layout_shape(packed: torch.Tensor, k: int) -> tuple[int, int]:
+    """(N, inputs per K block) of a 4-bit swap-layout weight, plain [N, K / p] or k_blocked (p = 2 inputs per byte)."""
+    per_element = 2 * packed.element_size()
+    return packed.numel() * per_element // k, packed.shape[1] * per_element
+
+
 def swap_layout_codes(packed: torch.Tensor) -> torch.Tensor:
     """The inverse, for tests: int16 [N, K/4] -> codes [K, N] from the layout's definition, element by element."""
     n, quarter = packed.shape

@@ -30,8 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .w4a16 import split_buffers
-from .w4a16_swap import _gemv_word_dot_ptx
-from .w4a16_wgmma import _cta_barrier, _store_tile, _tma_load, aligned_16
+from .w4a16_swap import _gemv_word_dot_ptx, layout_shape
+from .w4a16_wgmma import _cta_barrier, _store_tile, _tma_load, _weight_box, aligned_16
 
 _DOT = gl.constexpr(_gemv_word_dot_ptx(False))
 _DOT_ZEROS = gl.constexpr(_gemv_word_dot_ptx(True))
@@ -47,33 +47,35 @@ def _half2(v):
 
 
 @gluon.jit
-def _issue(w_desc, ring, bars, stage, off_n, t, pred):
-    """TMA of K tile t of the program's weight rows into ring stage `stage`, signalled on its barrier."""
+def _issue(w_desc, ring, bars, stage, off_n, t, N, pred):
+    """TMA of K tile t of the program's weight rows (plain or k_blocked) into ring stage `stage`, signalled on its
+    barrier."""
     bar = bars.index(stage)
     mbarrier.expect(bar, w_desc.block_type.nbytes, pred=pred)
-    _tma_load(w_desc, [off_n, t * w_desc.block_type.shape[1]], bar, ring.index(stage), pred=pred)
+    row, col = _weight_box(w_desc, off_n, t * w_desc.block_type.shape[1], N)
+    _tma_load(w_desc, [row, col], bar, ring.index(stage), pred=pred)
 
 
 @gluon.jit
-def _ring_start(w_desc, off_n, first_tile, tiles, STAGES: gl.constexpr):
+def _ring_start(w_desc, off_n, first_tile, tiles, N, STAGES: gl.constexpr):
     """The ring of STAGES K tiles of the program's weight rows and its barriers, every stage's copy issued."""
     ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     for i in gl.static_range(STAGES):
-        _issue(w_desc, ring, bars, i, off_n, first_tile + i, i < tiles)
+        _issue(w_desc, ring, bars, i, off_n, first_tile + i, N, i < tiles)
     return ring, bars
 
 
 @gluon.jit
-def _ring_take(w_desc, ring, bars, kt, off_n, first_tile, tiles, STAGES: gl.constexpr, LAYOUT: gl.constexpr):
+def _ring_take(w_desc, ring, bars, kt, off_n, first_tile, tiles, N, STAGES: gl.constexpr, LAYOUT: gl.constexpr):
     """The program's K tile kt from the ring in registers (LAYOUT); its stage then takes the tile STAGES ahead."""
     stage = kt % STAGES
     mbarrier.wait(bars.index(stage), (kt // STAGES) & 1)
     words = ring.index(stage).load(LAYOUT)
     _cta_barrier()  # every warp holds this tile in registers
-    _issue(w_desc, ring, bars, stage, off_n, first_tile + kt + STAGES, kt + STAGES < tiles)
+    _issue(w_desc, ring, bars, stage, off_n, first_tile + kt + STAGES, N, kt + STAGES < tiles)
     return words
 
 
@@ -130,7 +132,7 @@ def _w4a16_tma_gemv_kernel(w_desc, x_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     lanes = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, layout)))
     x32_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + m * (K // 2)
 
-    ring, bars = _ring_start(w_desc, off_n, first_tile, tiles, STAGES)
+    ring, bars = _ring_start(w_desc, off_n, first_tile, tiles, N, STAGES)
 
     x0, x1, x2, x3, s, z = _tile_params(x32_ptr, s_ptr, z_ptr, first_tile, N, rows, quads, lanes, GROUP, KW,
                                         PER_CHANNEL, HAS_ZEROS, layout)
@@ -139,7 +141,7 @@ def _w4a16_tma_gemv_kernel(w_desc, x_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
         # the next tile's x, scales and zeros go out now (the last tile re-reads its own)
         nxt = _tile_params(x32_ptr, s_ptr, z_ptr, first_tile + gl.minimum(kt + 1, tiles - 1), N, rows, quads, lanes,
                            GROUP, KW, PER_CHANNEL, HAS_ZEROS, layout)
-        words = _ring_take(w_desc, ring, bars, kt, off_n, first_tile, tiles, STAGES, words_layout)
+        words = _ring_take(w_desc, ring, bars, kt, off_n, first_tile, tiles, N, STAGES, words_layout)
         words = gl.convert_layout(words.reshape([BLOCK_N, Q, 4]), layout)
         if HAS_ZEROS:
             dots = gl.inline_asm_elementwise(
@@ -169,23 +171,23 @@ def tma_gemv_fits(k: int, n: int, group_size: int, block_n: int, block_k: int, s
 
 
 def _descriptor(packed: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
-    """The swap layout [N, K / 4] int16 as int32 words [N, K / 8], boxes of [block_n, block_k / 8]."""
+    """The swap layout [N, K / 4] int16 (or k_blocked) as int32 words [N, K / 8], boxes of [block_n, block_k / 8]."""
     words = packed.view(torch.int32)
     return TensorDescriptor(words, list(words.shape), list(words.stride()), [block_n, block_k // 8], WORDS_SMEM_LAYOUT)
 
 
 def w4a16_tma_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                    bias: torch.Tensor | None, group_size: int, config: dict) -> torch.Tensor:
-    """x [M, K] fp16 (M small: one program per token and tile), packed = repack_for_swap(qweight) [N, K/4],
-    zeros [G, N] or None -> [M, N]."""
+    """x [M, K] fp16 (M small: one program per token and tile), packed = repack_for_swap(qweight) [N, K/4] (or
+    k_blocked), zeros [G, N] or None -> [M, N]."""
     m, k = x.shape
-    n = packed.shape[0]
+    n, layout_block = layout_shape(packed, k)
     split, block_n, block_k = config["SPLIT_K"], config["BLOCK_N"], config["BLOCK_K"]
     if x.dtype != torch.float16:
         raise ValueError(f"tma gemv: fp16 activations only, got {x.dtype}")
-    if not tma_gemv_fits(k, n, group_size, block_n, block_k, split):
-        raise ValueError(f"tma gemv: tile {block_n} x {block_k}, split {split} does not fit N {n}, K {k}, "
-                         f"group {group_size}")
+    if not tma_gemv_fits(k, n, group_size, block_n, block_k, split) or layout_block % block_k:
+        raise ValueError(f"tma gemv: tile {block_n} x {block_k}, split {split} does not fit N {n}, K {k} in blocks "
+                         f"of {layout_block}, group {group_size}")
     x = aligned_16(x)  # x is read as 16-byte runs of fp16 pairs
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tiles = m * (n // block_n)

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .w4a16 import split_buffers
-from .w4a16_swap import _CHUNK, CHUNK, _slice_ptx
+from .w4a16_swap import _CHUNK, CHUNK, _slice_ptx, layout_shape
 
 # Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared and the CTA barrier thread_barrier; later
 # Tritons async_load and barrier
@@ -58,20 +58,30 @@ def _slice_q8(h, j: gl.constexpr, FP16: gl.constexpr):
 
 
 @gluon.jit
-def _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, stage, off_n, off_m, k0, pred, CHUNKS: gl.constexpr):
+def _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, stage, off_n, off_m, k0, N, pred, CHUNKS: gl.constexpr):
     """TMA of one K tile (weight + x) into ring stage `stage`, signalled on its barrier."""
-    _issue_weight(w_desc, x_desc, w_smem, bars, stage, off_n, k0, pred, CHUNKS)
+    _issue_weight(w_desc, x_desc, w_smem, bars, stage, off_n, k0, N, pred, CHUNKS)
     _issue_x(x_desc, x_smem, bars, stage, off_m, k0, pred, CHUNKS)
 
 
 @gluon.jit
-def _issue_weight(w_desc, x_desc, w_smem, bars, stage, off_n, k0, pred, CHUNKS: gl.constexpr):
+def _issue_weight(w_desc, x_desc, w_smem, bars, stage, off_n, k0, N, pred, CHUNKS: gl.constexpr):
     """The weight half of _issue_tile, which arms the stage's barrier for the whole tile. The weight box's row holds
-    the tile's CHUNKS * 64 inputs packed (W4A16: 4 per int16, W4A8: 2 per int8)."""
+    the tile's CHUNKS * 64 inputs packed (W4A16: 4 per int16, W4A8: 2 per int8); the weight is the swap layout,
+    plain or k_blocked (a descriptor row is one K block of a weight row: the plain layout's block is all of K)."""
     bar = bars.index(stage)
     mbarrier.expect(bar, w_desc.block_type.nbytes + CHUNKS * x_desc.block_type.nbytes, pred=pred)
     per_element: gl.constexpr = CHUNKS * _CHUNK // w_desc.block_type.shape[1]
-    _tma_load(w_desc, [off_n, k0 // per_element], bar, w_smem.index(stage), pred=pred)
+    row, col = _weight_box(w_desc, off_n, k0 // per_element, N)
+    _tma_load(w_desc, [row, col], bar, w_smem.index(stage), pred=pred)
+
+
+@gluon.jit
+def _weight_box(w_desc, off_n, col, N):
+    """The TMA coordinates (row, column) of weight rows off_n.. at column `col` of the plain swap layout, in w_desc's
+    form (plain or k_blocked: column col of row n lies at row (col // width) N + n, column col % width)."""
+    width = w_desc.shape[1]
+    return col // width * N + off_n, col % width
 
 
 @gluon.jit
@@ -89,7 +99,7 @@ def _wait_for_prior_grid():
 
 
 @gluon.jit
-def _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+def _start_ring(w_desc, x_desc, off_n, off_m, pid_k, N, SPLIT_K, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                 X_AFTER_PRIOR_GRID: gl.constexpr):
     """The TMA ring's shared memory and barriers, the first unit's first STAGES - 1 K tiles issued (a unit has at
     least that many; X_AFTER_PRIOR_GRID: their weight first, x once the kernel before, which writes x, is done):
@@ -101,7 +111,7 @@ def _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K: gl.conste
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     for i in gl.static_range(STAGES - 1):
-        _issue_weight(w_desc, x_desc, w_smem, bars, i, off_n, (pid_k + i * SPLIT_K) * BLOCK_K, True, CHUNKS)
+        _issue_weight(w_desc, x_desc, w_smem, bars, i, off_n, (pid_k + i * SPLIT_K) * BLOCK_K, N, True, CHUNKS)
     if X_AFTER_PRIOR_GRID:
         _wait_for_prior_grid()
     for i in gl.static_range(STAGES - 1):
@@ -121,7 +131,7 @@ def _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K: gl.constexpr, STAG
     grid_n, grid_m = N // BLOCK_N, gl.cdiv(M, BLOCK_M)
     units = grid_n * grid_m * SPLIT_K
     off_n, off_m, pid_k, _ = _unit(gl.program_id(0), units, grid_n, grid_m, BLOCK_N, BLOCK_M, BAND)
-    w_smem, x_smem, bars = _start_ring(w_desc, x_desc, off_n, off_m, pid_k, SPLIT_K, BLOCK_K, STAGES,
+    w_smem, x_smem, bars = _start_ring(w_desc, x_desc, off_n, off_m, pid_k, N, SPLIT_K, BLOCK_K, STAGES,
                                        X_AFTER_PRIOR_GRID)
     return units, K // BLOCK_K // SPLIT_K, grid_n, grid_m, w_smem, x_smem, bars
 
@@ -215,7 +225,7 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
                             _cta_barrier()
                         n_, m_, k_, kt_ = _ahead(kt, STAGES - 1, tiles, (off_n, off_m, pid_k), (nxt_n, nxt_m, nxt_k))
                         _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, (f + STAGES - 1) % STAGES, n_, m_,
-                                    (k_ + kt_ * SPLIT_K) * BLOCK_K, more | (kt + STAGES - 1 < tiles), CHUNKS)
+                                    (k_ + kt_ * SPLIT_K) * BLOCK_K, N, more | (kt + STAGES - 1 < tiles), CHUNKS)
             s, zc = s_next, zc_next
             f += 1
         acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
@@ -282,13 +292,14 @@ def wgmma_split(k: int, block_k: int, split: int, stages: int) -> int:
     return max((s for s in range(1, split + 1) if tiles % s == 0 and tiles // s >= stages - 1), default=0)
 
 
-def launch_grid(m: int, n: int, k: int, group_size: int, config: dict) -> tuple[int, int]:
+def launch_grid(m: int, n: int, k: int, group_size: int, config: dict, layout_block: int) -> tuple[int, int]:
     """(programs, output tiles) of a Gluon kernel's launch, one program per unit (an output tile's K split), after
-    checking that the config fits the layer."""
+    checking that the config fits the layer and its weight's K blocks (layout_shape)."""
     block_n, block_k, split = config["BLOCK_N"], config["BLOCK_K"], config["SPLIT_K"]
-    if not wgmma_fits(k, n, group_size, block_n, block_k) or wgmma_split(k, block_k, split, config["num_stages"]) != split:
+    if (not wgmma_fits(k, n, group_size, block_n, block_k) or layout_block % block_k
+            or wgmma_split(k, block_k, split, config["num_stages"]) != split):
         raise ValueError(f"wgmma kernel: tile {block_n} x {block_k}, split {split}, {config['num_stages']} stages "
-                         f"does not fit N {n}, K {k}, group {group_size}")
+                         f"does not fit N {n}, K {k} in blocks of {layout_block}, group {group_size}")
     tiles = n // block_n * triton.cdiv(m, config["BLOCK_M"])
     return tiles * split, tiles
 
@@ -326,11 +337,12 @@ def aligned_16(x: torch.Tensor) -> torch.Tensor:
 
 def w4a16_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                        bias: torch.Tensor | None, group_size: int, config: dict) -> torch.Tensor:
-    """x [M, K] (scales' dtype), packed = repack_for_swap(qweight) [N, K/4], zeros [G, N] or None -> [M, N]."""
+    """x [M, K] (scales' dtype), packed = repack_for_swap(qweight) [N, K/4] (or k_blocked), zeros [G, N] or None
+    -> [M, N]."""
     m, k = x.shape
-    n = packed.shape[0]
+    n, layout_block = layout_shape(packed, k)
     split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    programs, tiles = launch_grid(m, n, k, group_size, config)
+    programs, tiles = launch_grid(m, n, k, group_size, config, layout_block)
     x = aligned_16(x)  # TMA reads 16-byte aligned rows
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part, counters = split_buffers(split, m, n, tiles, x.device) if split > 1 else (out, out)

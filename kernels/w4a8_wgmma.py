@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from .w4a8 import dependent_launch_args, quantize_rows
 from .w4a8_swap import _HIGH, _HIGH_K, _K_CONSTRAINTS, _LOW, _LOW_K, EXACT_FROM_M, MAX_K
 from .w4a16 import split_buffers
-from .w4a16_swap import _CHUNK, CHUNK
+from .w4a16_swap import _CHUNK, CHUNK, layout_shape
 from .w4a16_wgmma import (
     _ahead,
     _cta_barrier,
@@ -109,7 +109,7 @@ def _w4a8_wgmma_kernel(x_desc, w_desc, ts_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr
                             _cta_barrier()
                         n_, m_, k_, kt_ = _ahead(kt, STAGES - 1, tiles, (off_n, off_m, pid_k), (nxt_n, nxt_m, nxt_k))
                         _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, (f + STAGES - 1) % STAGES, n_, m_,
-                                    (k_ + kt_ * SPLIT_K) * BLOCK_K, more | (kt + STAGES - 1 < tiles), CHUNKS)
+                                    (k_ + kt_ * SPLIT_K) * BLOCK_K, N, more | (kt + STAGES - 1 < tiles), CHUNKS)
             if DRAIN:  # 16 (q - 8) . x is divisible by 16: shifted back exactly, times the group's multiplier
                 tile = warpgroup_mma_wait(num_outstanding=0, deps=(tile,))
                 acc += (tile >> 4) * k
@@ -128,12 +128,12 @@ def w4a8_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: tor
                       config: dict) -> torch.Tensor:
     """As w4a8_swap_matmul (same layout and arguments), on the Gluon kernel."""
     m, k = x.shape
-    n = packed.shape[0]
+    n, layout_block = layout_shape(packed, k)
     split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     two_level = group_scales is not None and group_size != k
     if k > MAX_K:
         raise ValueError(f"w4a8 wgmma kernel: K {k} over {MAX_K} (int32 accumulation)")
-    programs, tiles = launch_grid(m, n, k, group_size if two_level else k, config)
+    programs, tiles = launch_grid(m, n, k, group_size if two_level else k, config, layout_block)
     if group_scales is not None and not two_level:  # one group over all of K: its multiplier joins the channel
         channel_scales = channel_scales * group_scales[0].float()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -11,7 +11,10 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are d
 
 import pytest
 import torch
+from quantkit.kernels.w4a8_swap import repack_for_w4a8_swap
 from quantkit.kernels.w4a16_swap import (
+    k_blocked,
+    layout_shape,
     repack_for_swap,
     swap_layout_codes,
     swap_supported,
@@ -28,6 +31,25 @@ from test_kernels_w4a16 import (  # noqa: F401  (poisoned_outputs: a fixture)
 )
 
 from quantkit.nn.qlinear import unpack_along_rows
+
+
+def test_k_blocked_layout_moves_every_element_to_its_block_row() -> None:
+    gen = torch.Generator().manual_seed(1)
+    k, n = 512, 24
+    qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=gen, dtype=torch.int32)
+    for packed in (repack_for_swap(qweight), repack_for_w4a8_swap(qweight)):  # 4 / 2 inputs per element
+        per_element = k // packed.shape[1]
+        assert layout_shape(packed, k) == (n, k)  # the plain layout: one block of all of K
+        for block in (64, 128, 512):
+            blocked = k_blocked(packed, k, block)
+            width = block // per_element
+            assert blocked.shape == (k // block * n, width) and blocked.is_contiguous()
+            assert layout_shape(blocked, k) == (n, block)
+            for row in range(n):
+                for col in range(packed.shape[1]):  # column col of row n at row (col // width) N + n
+                    assert blocked[col // width * n + row, col % width] == packed[row, col]
+    with pytest.raises(ValueError, match="whole blocks of 96 inputs"):
+        k_blocked(repack_for_swap(qweight), k, 96)
 
 
 def test_repack_follows_the_layout_definition() -> None:
