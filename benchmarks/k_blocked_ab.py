@@ -37,8 +37,11 @@ from tma_ring_ceiling import ring_copy
 GROUP = 128
 LAYOUT_BLOCKS = (128, 256, 512)
 GEMV_MS, WGMMA_MS = (1, 2, 4), (16, 64)
-# beside the tuner's two: more warps, more rows, fewer rows, longer K tiles (all two stages, the sweep's winners)
-TMA_TILES = TMA_GEMV_TILES + ((128, 256, 8, 2), (256, 256, 8, 2), (64, 256, 4, 2), (128, 512, 4, 2))
+# beside the tuner's two: more warps, more rows, fewer rows, longer K tiles (all two stages, the sweep's winners),
+# and 128-input tiles (the only ones K blocks of 128 take) at ring depths of 16-64 KB
+TMA_TILES = TMA_GEMV_TILES + ((128, 256, 8, 2), (256, 256, 8, 2), (64, 256, 4, 2), (128, 512, 4, 2),
+                              (128, 128, 4, 2), (128, 128, 4, 4), (128, 128, 4, 6), (256, 128, 8, 2),
+                              (256, 128, 8, 4), (64, 128, 4, 4))
 
 
 def tma_configs(n: int, k: int) -> list[dict]:
@@ -96,14 +99,14 @@ def time_config(scheme: str, cfg: dict, layers: list, packs: dict[str, list], xs
     return rows
 
 
-def shape_rows(shape: str, k: int, n: int, log) -> list[dict]:
+def shape_rows(shape: str, k: int, n: int, log, schemes: list[str], ms: list[int]) -> list[dict]:
     rows = []
     weight_bytes = n * k // 2 + 2 * n * (k // GROUP)
-    for scheme in ("w4a16", "w4a8"):
+    for scheme in schemes:
         layers = [random_layer(k, n, GROUP, scheme) for _ in range(copies_for(weight_bytes))]
         plain = [swap_weight_for(la, True) for la in layers]
         packs = {"plain": plain} | {f"k{b}": [k_blocked(p, k, b) for p in plain] for b in LAYOUT_BLOCKS}
-        for m in (GEMV_MS + WGMMA_MS) if scheme == "w4a16" else WGMMA_MS:
+        for m in [m for m in ms if scheme == "w4a16" or m in WGMMA_MS]:
             t0 = time.time()
             xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
             ref = reference(layers[0], xs[0])
@@ -160,6 +163,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--schemes", nargs="+", default=["w4a16", "w4a8"])
+    parser.add_argument("--ms", type=int, nargs="+", default=list(GEMV_MS + WGMMA_MS))
+    parser.add_argument("--skip-gate-up", action="store_true", help="leave out the gate_up cell at 1024 tokens")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     logfile = open(args.out / "log_k_blocked_ab.txt", "a")
@@ -174,9 +180,10 @@ def main() -> int:
                 command=" ".join(sys.argv), commit=commit or "uncommitted", torch=torch.__version__)
     torch.manual_seed(0)
     result: dict = dict(meta=meta, rows=[])
-    result["gate_up_1024"] = gate_up_cell(log)
+    if not args.skip_gate_up:
+        result["gate_up_1024"] = gate_up_cell(log)
     for shape in args.shapes:
-        result["rows"] += shape_rows(shape, *SHAPES[shape], log)
+        result["rows"] += shape_rows(shape, *SHAPES[shape], log, args.schemes, args.ms)
         (args.out / "k_blocked_ab.json").write_text(json.dumps(result, indent=1))
     wrong = [r for r in result["rows"] if not (r["equal_to_plain"] and r["rel_err"] < 2e-3)]
     log(f"done: {len(result['rows'])} timings, {len(wrong)} wrong")
