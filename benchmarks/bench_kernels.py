@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from quantkit.kernels import make_kernel_forward
-from quantkit.kernels.autotune import GEMV_KERNELS
+from quantkit.kernels import make_kernel_forward, swap_block, swap_weight_for
+from quantkit.kernels.autotune import GEMV_KERNELS, SWAP_LAYOUT_KERNELS
 
 from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
 
@@ -73,10 +73,20 @@ def reference(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return out if layer.bias is None else out + layer.bias.double()
 
 
+def layer_swap_block(layer: QuantLinear) -> int | None:
+    """The K block of the swap-layout copy make_kernel_forward gives this layer (None: no copy)."""
+    return swap_block(swap_weight_for(layer, bool((layer.zeros == 8).all())), layer.in_features)
+
+
+def fits_swap_block(cfg: dict, block: int | None) -> bool:
+    """Whether a config's K tile fits the layer's swap-layout blocks (configs of the other kernels always do)."""
+    return cfg["kernel"] not in SWAP_LAYOUT_KERNELS or not block or block % cfg["BLOCK_K"] == 0
+
+
 def config_runner(layer: QuantLinear):
     """run(x, cfg): one explicit config (bypassing the tuner) with the buffers make_kernel_forward would pass,
     prepared here once, so run() has no host sync and can be captured in a CUDA graph."""
-    from quantkit.kernels import swap_weight_for, w4a8_run, w4a16_run
+    from quantkit.kernels import w4a8_run, w4a16_run
 
     zeros = None if bool((layer.zeros == 8).all()) else layer.zeros
     swap = swap_weight_for(layer, zeros is None)
@@ -119,9 +129,6 @@ def check_correctness(log, schemes: list[str]) -> int:
     return failures
 
 
-SWAP_LAYOUT_KERNELS = ("swap", "swap_gemv", "tma_gemv", "wgmma")  # the kernels on the int16 swap layout
-
-
 def check_swap(log, schemes: list[str]) -> int:
     """The swap-layout kernels vs float64 with NaN-poisoned outputs: every candidate config for fp16 g128, the
     first two of each kernel for fp16 g64 / per-channel, bf16 g128 and (W4A16) asymmetric fp16 g128 / bf16
@@ -140,7 +147,8 @@ def check_swap(log, schemes: list[str]) -> int:
                 x = torch.randn(m, 1024, device="cuda", dtype=dtype)
                 ref = reference(layer, x)
                 configs = [c for c in candidates(scheme, m, 768, 1024, layer.group_size, swap=True, hopper=True,
-                                                 fp16=dtype == torch.float16) if c["kernel"] in SWAP_LAYOUT_KERNELS]
+                                                 fp16=dtype == torch.float16, swap_block=layer_swap_block(layer))
+                           if c["kernel"] in SWAP_LAYOUT_KERNELS]
                 firsts = [c for kind in SWAP_LAYOUT_KERNELS for c in [c for c in configs if c["kernel"] == kind][:2]]
                 for cfg in configs if (group, dtype, sym) == (128, torch.float16, True) else firsts:
                     failures += _failed(log, _checked_err(layer, x, cfg, ref, log), tol,
@@ -510,7 +518,7 @@ def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: f
              and (kinds is None or c["kernel"] in kinds)]
     gemvs = [c for kind in gemv_kinds if kinds is None or kind in kinds
              for c in gemv_sweep_configs(m, n, k, 128, kind)]
-    configs = tiled + (gemvs if m <= 4 else [])
+    configs = [c for c in tiled + (gemvs if m <= 4 else []) if fits_swap_block(c, layer_swap_block(layers[0]))]
     failures = 0
     for cfg in configs:
         if time.time() - t_start > budget_s and cfg["kernel"] in gemv_kinds:
@@ -625,7 +633,8 @@ def main() -> int:
                 two_level = None if scheme == "w4a16" else args.group > 0
                 swap = scheme == "w4a16" or not args.asym  # which layers random_layer gives a swap layout
                 key = tuning_key(meta["device"], scheme, DTYPE, n, k, args.group if args.group > 0 else k, m,
-                                 args.asym, two_level, swap)
+                                 args.asym, two_level, swap, layer_swap_block(layers[(scheme, k, n, args.group,
+                                                                                      not args.asym)][0]))
                 row["config"] = json.dumps(_cache().get(key) or "default").replace('"', "")
                 results.append(row)
                 log(f"{scheme} {shape} M={m}: {row['t_kernel_us']:.1f}us vs {row['t_cublas_us']:.1f}us "

@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from bench_kernels import DTYPE, SHAPES, config_runner, copies_for, graph_time, random_layer, reference
-from quantkit.kernels import make_kernel_forward, swap_weight_for
+from quantkit.kernels import SWAP_BLOCK, make_kernel_forward
 from quantkit.kernels.autotune import TMA_GEMV_TILES, _cache, tma_gemv_split, tuning_key, wgmma_candidates
+from quantkit.kernels.w4a8_swap import repack_for_w4a8_swap
 from quantkit.kernels.w4a8_wgmma import w4a8_wgmma_matmul
-from quantkit.kernels.w4a16_swap import k_blocked
+from quantkit.kernels.w4a16_swap import k_blocked, repack_for_swap
 from quantkit.kernels.w4a16_tma_gemv import tma_gemv_fits, w4a16_tma_gemv
 from quantkit.kernels.w4a16_wgmma import w4a16_wgmma_matmul
 from tma_ring_ceiling import ring_copy
@@ -104,7 +105,8 @@ def shape_rows(shape: str, k: int, n: int, log, schemes: list[str], ms: list[int
     weight_bytes = n * k // 2 + 2 * n * (k // GROUP)
     for scheme in schemes:
         layers = [random_layer(k, n, GROUP, scheme) for _ in range(copies_for(weight_bytes))]
-        plain = [swap_weight_for(la, True) for la in layers]
+        repack = repack_for_swap if scheme == "w4a16" else repack_for_w4a8_swap
+        plain = [repack(la.qweight) for la in layers]
         packs = {"plain": plain} | {f"k{b}": [k_blocked(p, k, b) for p in plain] for b in LAYOUT_BLOCKS}
         for m in [m for m in ms if scheme == "w4a16" or m in WGMMA_MS]:
             t0 = time.time()
@@ -145,7 +147,8 @@ def gate_up_cell(log) -> dict:
     cfg = dict(kernel="wgmma", BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, SPLIT_K=1, num_warps=8, num_stages=3)
     layers = [random_layer(k, n, GROUP, "w4a16") for _ in range(copies_for(n * k // 2 + 4 * m * (k + n)))]
     xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
-    _cache().put(tuning_key(torch.cuda.get_device_name(), "w4a16", DTYPE, n, k, GROUP, m, False, None, True), cfg)
+    _cache().put(tuning_key(torch.cuda.get_device_name(), "w4a16", DTYPE, n, k, GROUP, m, False, None, True,
+                            SWAP_BLOCK[16]), cfg)
     forwards = [make_kernel_forward(la) for la in layers]
     runners = [config_runner(la) for la in layers]
     times: dict[str, list[float]] = {"forward": [], "runner": [], "cublas": []}

@@ -40,7 +40,7 @@ def _register_ops() -> None:
             return w4a16_reference(x, qweight, scales, zeros, bias, group_size)
 
         return run(pick_config("w4a16", x, n, k, group_size, run, zeros is not None, swap=swap_weight is not None,
-                               reference=reference))
+                               reference=reference, swap_block=swap_block(swap_weight, k)))
 
     @torch.library.custom_op("quantkit::w4a8_linear", mutates_args=())
     def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
@@ -55,7 +55,7 @@ def _register_ops() -> None:
             return w4a8_reference(x, qweight, channel_scales, group_scales, zeros, bias, group_size)
 
         return run(pick_config("w4a8", x, n, k, group_size, run, zeros is not None, group_scales is not None,
-                               swap_weight is not None, reference))
+                               swap_weight is not None, reference, swap_block(swap_weight, k)))
 
     for op in (w4a16_linear, w4a8_linear):
         op.register_fake(lambda x, qweight, *args: x.new_empty(x.shape[0], qweight.shape[1]))
@@ -109,21 +109,39 @@ def w4a8_run(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tenso
     return w4a8_matmul(x, qweight, channel_scales, group_scales, zeros, bias, group_size, cfg)
 
 
+# The K blocks of the layers' swap-layout copies (w4a16_swap.k_blocked), by activation bits. H200, every kernel on
+# the plain layout and on blocks of 128 / 256 / 512 inputs (benchmarks/kernels/log_k_blocked_ab_2026-12-05.txt):
+# the wgmma kernels' 128-input K tiles gained 2.5-6% on average at 16 tokens (W4A8 2-12%) from blocks of 128, where
+# the TMA gemv's 256-input tiles do not fit and its 128-input ones lost ~10% on the large shapes; blocks of 256 gave
+# the TMA gemv 0-2% on average (up to +7% on 70B down) and the wgmma kernels +0.4%. W4A8 has no gemv: 128.
+SWAP_BLOCK = {16: 256, 8: 128}
+
+
 def swap_weight_for(layer: torch.nn.Module, symmetric: bool) -> torch.Tensor | None:
-    """The swap kernel's copy of a layer's weight (0.5 byte per weight more on the GPU), or None when the
-    kernel cannot take the layer or QUANTKIT_SWAP_KERNEL=0."""
+    """The swap kernels' copy of a layer's weight (0.5 byte per weight more on the GPU) in K blocks of
+    SWAP_BLOCK inputs (plain where K is no multiple of it), or None when the kernels cannot take the layer or
+    QUANTKIT_SWAP_KERNEL=0."""
     from .w4a8_swap import repack_for_w4a8_swap, w4a8_swap_supported
-    from .w4a16_swap import repack_for_swap, swap_supported
+    from .w4a16_swap import k_blocked, repack_for_swap, swap_supported
 
     k, n, group = layer.in_features, layer.out_features, layer.group_size
     if os.environ.get("QUANTKIT_SWAP_KERNEL", "1") == "0":
         return None
     if layer.act_bits == 16:
-        return repack_for_swap(layer.qweight) if swap_supported(k, n, group) else None
-    group_scales = layer.scales if layer.channel_scales is not None else None
-    if not w4a8_swap_supported(k, n, group, symmetric, group_scales):
-        return None
-    return repack_for_w4a8_swap(layer.qweight)
+        packed = repack_for_swap(layer.qweight) if swap_supported(k, n, group) else None
+    else:
+        group_scales = layer.scales if layer.channel_scales is not None else None
+        packed = repack_for_w4a8_swap(layer.qweight) if w4a8_swap_supported(k, n, group, symmetric,
+                                                                           group_scales) else None
+    block = SWAP_BLOCK[layer.act_bits]
+    return k_blocked(packed, k, block) if packed is not None and k % block == 0 else packed
+
+
+def swap_block(swap_weight: torch.Tensor | None, k: int) -> int | None:
+    """The K block of a layer's swap-layout copy (K itself for the plain layout), None without one."""
+    from .w4a16_swap import layout_shape
+
+    return None if swap_weight is None else layout_shape(swap_weight, k)[1]
 
 
 def unsupported_reason(layer: torch.nn.Module) -> str | None:

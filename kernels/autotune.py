@@ -48,7 +48,8 @@ def _tile(kernel: str, block_m: int, block_n: int, block_k: int, warps: int, sta
                 num_warps=warps, num_stages=stages)
 
 
-GEMV_KERNELS = ("gemv_h2", "gemv")  # half2 PTX (fp16 on CUDA; the fp32 gemv elsewhere), then fp32 FMAs
+GEMV_KERNELS = ("gemv_h2", "gemv")
+SWAP_LAYOUT_KERNELS = ("swap", "swap_gemv", "tma_gemv", "wgmma")  # the kernels that read the swap-layout copy  # half2 PTX (fp16 on CUDA; the fp32 gemv elsewhere), then fp32 FMAs
 GEMV_PROGRAMS_PER_SM = 4  # decode is bandwidth bound: several resident programs per SM hide DRAM latency
 
 
@@ -152,12 +153,14 @@ def swap_candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dic
 
 
 def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = False, hopper: bool = False,
-               fp16: bool = True) -> list[dict]:
+               fp16: bool = True, swap_block: int | None = None) -> list[dict]:
     """Configs worth timing for this problem, the heuristic default first. scheme: 'w4a16' or 'w4a8'.
     swap: the layer has a swap kernel's weight layout (w4a16_swap; w4a8_swap for symmetric weights): its
     configs lead from M = 2 to 64 (and join W4A8's timed candidates at M = 128..512). hopper: the Gluon
     kernels (on the swap layouts) can run: the wgmma kernels' configs are timed too (M >= 8; W4A16's lead at
-    M = 32..512), and with fp16 activations W4A16's TMA gemv (M <= 4; it leads for one token on large layers)."""
+    M = 32..512), and with fp16 activations W4A16's TMA gemv (M <= 4; it leads for one token on large layers).
+    swap_block: the K block of the swap layout (kernels/__init__.SWAP_BLOCK; None: plain): the swap-layout
+    kernels' K tiles must fit in it."""
     b = m_bucket(m)
     out: list[dict] = []
     bk_min = 32 if scheme == "w4a16" else 64  # int8 dot needs K >= 32 per instruction; 64 keeps it fed
@@ -223,7 +226,8 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
         wgmma = wgmma_candidates(scheme, m, n, k, group)
         lead = 32 <= b <= 512 if scheme == "w4a16" else b >= 256
         out = wgmma + out if lead else out + wgmma
-    return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm") or _fits(c, k, group)]
+    return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm") or _fits(c, k, group)
+            and not (c["kernel"] in SWAP_LAYOUT_KERNELS and swap_block and swap_block % c["BLOCK_K"])]
 
 
 # The Gluon kernels on the swap layouts with asynchronous wgmma (w4a16_wgmma.py, w4a8_wgmma.py), by M bucket:
@@ -363,10 +367,11 @@ TUNING_VERSION = 2
 
 
 def tuning_key(device_name: str, scheme: str, dtype: torch.dtype, n: int, k: int, group: int, m: int,
-               zeros: bool, two_level: bool | None, swap: bool) -> str:
+               zeros: bool, two_level: bool | None, swap: bool, swap_block: int | None = None) -> str:
     """The cache key of a tuned config: version, device, problem, M bucket and the layer traits configs depend on
-    (two_level: None for W4A16)."""
-    traits = f"z{int(zeros)}" + ("" if two_level is None else f"two{int(two_level)}") + ("swap" if swap else "")
+    (two_level: None for W4A16; the swap layout's K block when it has one)."""
+    traits = (f"z{int(zeros)}" + ("" if two_level is None else f"two{int(two_level)}") + ("swap" if swap else "")
+              + (f"b{swap_block}" if swap and swap_block else ""))
     return f"v{TUNING_VERSION}|{device_name}|{scheme}|{dtype}|N{n}|K{k}|g{group}|{traits}|M{m_bucket(m)}"
 
 
@@ -403,14 +408,15 @@ def _right_results(options: list[dict], run: Callable[[dict], object], expected:
 
 def pick_config(scheme: str, x: torch.Tensor, n: int, k: int, group: int, run: Callable[[dict], object],
                 zeros: bool = False, two_level: bool | None = None, swap: bool = False,
-                reference: Callable[[], torch.Tensor] | None = None) -> dict:
+                reference: Callable[[], torch.Tensor] | None = None, swap_block: int | None = None) -> dict:
     """The config for this call: cached, else tuned (timing run(config) for each candidate whose output matches
     reference(), when given and finite; REFERENCE if none does), else default."""
     m = x.shape[0]
-    options = candidates(scheme, m, n, k, group, swap, hopper_gluon(x.device), x.dtype == torch.float16)
+    options = candidates(scheme, m, n, k, group, swap, hopper_gluon(x.device), x.dtype == torch.float16, swap_block)
     if not (x.is_cuda and tuning_enabled()):
         return options[0]
-    key = tuning_key(torch.cuda.get_device_name(x.device), scheme, x.dtype, n, k, group, m, zeros, two_level, swap)
+    key = tuning_key(torch.cuda.get_device_name(x.device), scheme, x.dtype, n, k, group, m, zeros, two_level, swap,
+                     swap_block)
     cached = _cache().get(key)
     if cached is not None:
         return cached

@@ -83,6 +83,21 @@ def layout_shape(packed: torch.Tensor, k: int) -> tuple[int, int]:
     return packed.numel() * per_element // k, packed.shape[1] * per_element
 
 
+def checked_layout(packed: torch.Tensor, k: int, block_k: int, kernel: str) -> int:
+    """N of a swap-layout weight whose K blocks hold whole K tiles of block_k inputs, else a ValueError."""
+    n, block = layout_shape(packed, k)
+    if block % block_k:
+        raise ValueError(f"{kernel}: K tile {block_k} does not fit the weight's K blocks of {block} inputs")
+    return n
+
+
+@triton.jit
+def _block_start(col, W, N):
+    """Where column col of weight row 0 lies in a swap-layout weight, plain or k_blocked (W elements a row): the
+    rows of a K tile inside one block are W apart from there."""
+    return col // W * N * W + col % W
+
+
 def swap_layout_codes(packed: torch.Tensor) -> torch.Tensor:
     """The inverse, for tests: int16 [N, K/4] -> codes [K, N] from the layout's definition, element by element."""
     n, quarter = packed.shape
@@ -148,13 +163,13 @@ def _swap_program(M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, W,
                        GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr, PTX: tl.constexpr):
     pid, pid_k, offs_m, offs_n = _swap_program(M, BLOCK_M, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_K // 4)
-    h_ptrs = h_ptr + offs_n[:, None] * (K // 4) + offs_t[None, :]
+    h_ptrs = h_ptr + offs_n[:, None] * W + offs_t[None, :]
     x_ptrs = x_ptr + offs_m[None, :] * K + ((offs_t // 16) * _CHUNK + offs_t % 16)[:, None]  # slice 0, [BK/4, BM]
     m_mask = offs_m[None, :] < M
     dtype = x_ptr.dtype.element_ty
@@ -164,7 +179,7 @@ def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
     x_run = tl.zeros((BLOCK_K // 4, BLOCK_M), dtype=tl.float32)
     for kt in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0 = kt * BLOCK_K
-        h = tl.load(h_ptrs + k0 // 4)
+        h = tl.load(h_ptrs + _block_start(k0 // 4, W, N))
         tile = acc if PER_CHANNEL else tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if not PER_CHANNEL:
             x_run = tl.zeros((BLOCK_K // 4, BLOCK_M), dtype=tl.float32)
@@ -199,11 +214,11 @@ def swap_supported(k: int, n: int, group_size: int) -> bool:
 
 def w4a16_swap_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                       bias: torch.Tensor | None, group_size: int, config: dict) -> torch.Tensor:
-    """x [M, K] contiguous (scales' dtype), packed = repack_for_swap(qweight), zeros [G, N] (uint8) or None
-    (symmetric: 8) -> [M, N]."""
+    """x [M, K] contiguous (scales' dtype), packed = repack_for_swap(qweight) (or k_blocked), zeros [G, N] (uint8)
+    or None (symmetric: 8) -> [M, N]."""
     m, k = x.shape
-    n = packed.shape[0]
     split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    n = checked_layout(packed, k, block_k, "swap kernel")
     if k % block_k or n % block_n or (group_size != k and group_size % block_k):
         raise ValueError(f"swap kernel: K tile {block_k} / N tile {block_n} must divide K {k} / N {n} and "
                          f"the group {group_size}")
@@ -212,9 +227,9 @@ def w4a16_swap_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     part, counters = split_buffers(split, m, n, math.prod(grid[:-1]), x.device) if split > 1 else (out, out)
     _w4a16_swap_kernel[grid](
         x, packed, scales, zeros if zeros is not None else packed, bias if bias is not None else scales, out, part,
-        counters, m, n, k, GROUP=group_size, PER_CHANNEL=group_size == k, HAS_ZEROS=zeros is not None,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
-        UPCAST_DOT=x.dtype == torch.bfloat16 and _interpreting(),  # the interpreter's bf16 is wrong (3.9)
+        counters, m, n, k, packed.shape[1], GROUP=group_size, PER_CHANNEL=group_size == k,
+        HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split, UPCAST_DOT=x.dtype == torch.bfloat16 and _interpreting(),  # the interpreter's bf16 is wrong (3.9)
         PTX=not _interpreting(),
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out
@@ -261,12 +276,12 @@ _WORD_DOT_ZEROS = tl.constexpr(_gemv_word_dot_ptx(True))
 
 
 @triton.jit
-def _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k0, N, offs_n, u, run_first, GROUP: tl.constexpr,
+def _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k0, N, W, offs_n, u, run_first, GROUP: tl.constexpr,
                      PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr, PTX: tl.constexpr):
     """One K tile's words [BN, GT, GW], group scales and zero points [BN, GT, 1] (fp32; per channel: unused
     here) and, for the PTX path, x's four fp16x2 slices [1, GT, GW] (fp16 pairs as int32)."""
     # read once: first out of L2 (H200: +1-7% at M = 1 on every shape, sweep_swap_gemv_prefetch_2026-12-04.md)
-    words = tl.load(w_ptrs + k0 // 8, eviction_policy="evict_first")
+    words = tl.load(w_ptrs + _block_start(k0 // 8, W, N), eviction_policy="evict_first")
     if PER_CHANNEL:
         idx = offs_n[:, None, None]
         s = tl.zeros((1, 1, 1), tl.float32)
@@ -312,7 +327,7 @@ def _swap_gemv_dots(words, z, x0, x1, x2, x3, x_ptr, k0, u, HAS_ZEROS: tl.conste
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])  # one compile serves every M and split
-def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, W,
                             GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
                             HAS_BIAS: tl.constexpr, SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_WORDS: tl.constexpr, IS_SPLIT: tl.constexpr, PTX: tl.constexpr):
@@ -323,7 +338,8 @@ def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     run_first = 8 * GROUP_WORDS * tl.arange(0, GT)  # [GT]: each run's first input in the tile
     u = tl.arange(0, GT)[:, None] * GROUP_WORDS + tl.arange(0, GROUP_WORDS)[None, :]  # [GT, GW] word of the tile
-    w_ptrs = h_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + offs_n[:, None, None] * (K // 8) + u[None, :, :]
+    # W: int32 words per row of the (plain or k_blocked) layout
+    w_ptrs = h_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + offs_n[:, None, None] * W + u[None, :, :]
     x32_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + m * (K // 2)
     x_row = x_ptr + m * K
     last = K // BLOCK_K - 1
@@ -332,12 +348,12 @@ def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     # cp.async ring instead, which Triton builds for this dot-free loop when tl.range asks for stages, was 10-25%
     # slower at every depth on the H200: sweep_swap_gemv_stages_2026-12-04.md.)
     # (Two tiles in flight, the second in its own registers, lost 4-13%: sweep_swap_gemv_prefetch_2026-12-04.md.)
-    words, s, z, x0, x1, x2, x3 = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, u,
+    words, s, z, x0, x1, x2, x3 = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, W, offs_n, u,
                                                    run_first, GROUP, PER_CHANNEL, HAS_ZEROS, PTX)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0, k_next = t * BLOCK_K, tl.minimum(t + SPLIT_K, last) * BLOCK_K  # the last tile re-reads itself
-        nxt = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k_next, N, offs_n, u, run_first, GROUP, PER_CHANNEL,
-                               HAS_ZEROS, PTX)
+        nxt = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k_next, N, W, offs_n, u, run_first, GROUP,
+                               PER_CHANNEL, HAS_ZEROS, PTX)
         dots = _swap_gemv_dots(words, z, x0, x1, x2, x3, x_row, k0, u, HAS_ZEROS, PTX)
         acc += dots if PER_CHANNEL else dots * s
         words, s, z, x0, x1, x2, x3 = nxt
@@ -361,8 +377,8 @@ def w4a16_swap_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     """x [M, K] (M small: one program row per token) on the swap layout -> [M, N]. fp16 on CUDA runs the
     half2 PTX word dots; bf16 and Triton's interpreter the same loop in fp32."""
     m, k = x.shape
-    n = packed.shape[0]
     split, block_n, block_k = config["SPLIT_K"], config["BLOCK_N"], config["BLOCK_K"]
+    n = checked_layout(packed, k, block_k, "swap gemv")
     if not swap_gemv_fits(k, n, group_size, block_n, block_k):
         raise ValueError(f"swap gemv: tile {block_n} x {block_k} does not fit N {n}, K {k}, group {group_size}")
     ptx = x.dtype == torch.float16 and not _interpreting()
@@ -373,8 +389,8 @@ def w4a16_swap_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     part, counters = split_buffers(split, m, n, m * (n // block_n), x.device) if split > 1 else (out, out)
     _w4a16_swap_gemv_kernel[grid](
         x, packed, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out, part,
-        counters, m, n, k, GROUP=group_size, PER_CHANNEL=group_size == k, HAS_ZEROS=zeros is not None,
-        HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
+        counters, m, n, k, packed.shape[1] // 2, GROUP=group_size, PER_CHANNEL=group_size == k,
+        HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_WORDS=min(group_size, block_k) // 8, IS_SPLIT=split > 1, PTX=ptx, num_warps=config["num_warps"],
         num_stages=config["num_stages"])
     return out

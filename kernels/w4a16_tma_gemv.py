@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .w4a16 import split_buffers
-from .w4a16_swap import _gemv_word_dot_ptx, layout_shape
+from .w4a16_swap import _gemv_word_dot_ptx, checked_layout
 from .w4a16_wgmma import _cta_barrier, _store_tile, _tma_load, _weight_box, aligned_16
 
 _DOT = gl.constexpr(_gemv_word_dot_ptx(False))
@@ -181,13 +181,13 @@ def w4a16_tma_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     """x [M, K] fp16 (M small: one program per token and tile), packed = repack_for_swap(qweight) [N, K/4] (or
     k_blocked), zeros [G, N] or None -> [M, N]."""
     m, k = x.shape
-    n, layout_block = layout_shape(packed, k)
     split, block_n, block_k = config["SPLIT_K"], config["BLOCK_N"], config["BLOCK_K"]
+    n = checked_layout(packed, k, block_k, "tma gemv")
     if x.dtype != torch.float16:
         raise ValueError(f"tma gemv: fp16 activations only, got {x.dtype}")
-    if not tma_gemv_fits(k, n, group_size, block_n, block_k, split) or layout_block % block_k:
-        raise ValueError(f"tma gemv: tile {block_n} x {block_k}, split {split} does not fit N {n}, K {k} in blocks "
-                         f"of {layout_block}, group {group_size}")
+    if not tma_gemv_fits(k, n, group_size, block_n, block_k, split):
+        raise ValueError(f"tma gemv: tile {block_n} x {block_k}, split {split} does not fit N {n}, K {k}, "
+                         f"group {group_size}")
     x = aligned_16(x)  # x is read as 16-byte runs of fp16 pairs
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tiles = m * (n // block_n)

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .w4a16 import split_buffers
-from .w4a16_swap import _CHUNK, CHUNK, _slice_ptx, layout_shape
+from .w4a16_swap import _CHUNK, CHUNK, _slice_ptx, checked_layout
 
 # Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared and the CTA barrier thread_barrier; later
 # Tritons async_load and barrier
@@ -292,14 +292,13 @@ def wgmma_split(k: int, block_k: int, split: int, stages: int) -> int:
     return max((s for s in range(1, split + 1) if tiles % s == 0 and tiles // s >= stages - 1), default=0)
 
 
-def launch_grid(m: int, n: int, k: int, group_size: int, config: dict, layout_block: int) -> tuple[int, int]:
+def launch_grid(m: int, n: int, k: int, group_size: int, config: dict) -> tuple[int, int]:
     """(programs, output tiles) of a Gluon kernel's launch, one program per unit (an output tile's K split), after
-    checking that the config fits the layer and its weight's K blocks (layout_shape)."""
+    checking that the config fits the layer."""
     block_n, block_k, split = config["BLOCK_N"], config["BLOCK_K"], config["SPLIT_K"]
-    if (not wgmma_fits(k, n, group_size, block_n, block_k) or layout_block % block_k
-            or wgmma_split(k, block_k, split, config["num_stages"]) != split):
+    if not wgmma_fits(k, n, group_size, block_n, block_k) or wgmma_split(k, block_k, split, config["num_stages"]) != split:
         raise ValueError(f"wgmma kernel: tile {block_n} x {block_k}, split {split}, {config['num_stages']} stages "
-                         f"does not fit N {n}, K {k} in blocks of {layout_block}, group {group_size}")
+                         f"does not fit N {n}, K {k}, group {group_size}")
     tiles = n // block_n * triton.cdiv(m, config["BLOCK_M"])
     return tiles * split, tiles
 
@@ -340,9 +339,9 @@ def w4a16_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     """x [M, K] (scales' dtype), packed = repack_for_swap(qweight) [N, K/4] (or k_blocked), zeros [G, N] or None
     -> [M, N]."""
     m, k = x.shape
-    n, layout_block = layout_shape(packed, k)
     split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    programs, tiles = launch_grid(m, n, k, group_size, config, layout_block)
+    n = checked_layout(packed, k, block_k, "wgmma kernel")
+    programs, tiles = launch_grid(m, n, k, group_size, config)
     x = aligned_16(x)  # TMA reads 16-byte aligned rows
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part, counters = split_buffers(split, m, n, tiles, x.device) if split > 1 else (out, out)

@@ -31,7 +31,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from .w4a8 import dependent_launch_args, quantize_rows
 from .w4a16 import _interpreting, _store_output, split_buffers
-from .w4a16_swap import _CHUNK, CHUNK, _swap_program, pack_nibble_slices
+from .w4a16_swap import _CHUNK, CHUNK, _block_start, _swap_program, checked_layout, pack_nibble_slices
 
 RUN = 32  # contiguous inputs per slice: int8 wgmma's K
 _RUN = tl.constexpr(RUN)
@@ -71,7 +71,7 @@ def _slice_times_k(b, k, c, j: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _w4a8_swap_kernel(xq_ptr, ts_ptr, b_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+def _w4a8_swap_kernel(xq_ptr, ts_ptr, b_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, W,
                       GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PTX: tl.constexpr,
                       PDL: tl.constexpr):
@@ -79,14 +79,14 @@ def _w4a8_swap_kernel(xq_ptr, ts_ptr, b_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, 
         gdc_wait()
     pid, pid_k, offs_m, offs_n = _swap_program(M, BLOCK_M, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_K // 2)
-    b_ptrs = b_ptr + offs_n[:, None] * (K // 2) + offs_t[None, :]
+    b_ptrs = b_ptr + offs_n[:, None] * W + offs_t[None, :]  # W: bytes per row of the plain or k_blocked layout
     x_ptrs = xq_ptr + offs_m[None, :] * K + ((offs_t // _RUN) * _CHUNK + offs_t % _RUN)[:, None]  # slice 0, [BK/2, BM]
     m_mask = offs_m[None, :] < M
     exact: tl.constexpr = TWO_LEVEL and BLOCK_M >= EXACT_FROM_M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     for kt in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0 = kt * BLOCK_K
-        b = tl.load(b_ptrs + k0 // 2)
+        b = tl.load(b_ptrs + _block_start(k0 // 2, W, N))
         if TWO_LEVEL:  # the group's integer multipliers, one per row
             k = tl.load(gs_ptr + (k0 // GROUP) * N + offs_n).to(tl.int32)[:, None]
             c = k * -134744072 + -2139062144  # (128 - 8 k) * 0x01010101, in wrapping int32 arithmetic
@@ -119,11 +119,11 @@ def w4a8_swap_supported(k: int, n: int, group_size: int, symmetric: bool,
 def w4a8_swap_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: torch.Tensor,
                      group_scales: torch.Tensor | None, bias: torch.Tensor | None, group_size: int,
                      config: dict) -> torch.Tensor:
-    """x [M, K] fp16/bf16 contiguous, packed = repack_for_w4a8_swap(qweight), channel_scales fp32 [N],
-    group_scales [G, N] integers in 0..16 (two-level) or None (per channel) -> [M, N] in x's dtype."""
+    """x [M, K] fp16/bf16 contiguous, packed = repack_for_w4a8_swap(qweight) (or k_blocked), channel_scales fp32
+    [N], group_scales [G, N] integers in 0..16 (two-level) or None (per channel) -> [M, N] in x's dtype."""
     m, k = x.shape
-    n = packed.shape[0]
     split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    n = checked_layout(packed, k, block_k, "w4a8 swap kernel")
     two_level = group_scales is not None and group_size != k
     if k % block_k or n % block_n or block_k % CHUNK or (two_level and group_size % block_k):
         raise ValueError(f"w4a8 swap kernel: K tile {block_k} (a multiple of {CHUNK}) / N tile {block_n} must "
@@ -136,7 +136,7 @@ def w4a8_swap_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: torc
     xq, ts, _ = quantize_rows(x, sums=False)  # the kernel launched right before the GEMM (its PDL predecessor)
     _w4a8_swap_kernel[grid](
         xq, ts, packed, channel_scales, group_scales if two_level else channel_scales,
-        bias if bias is not None else channel_scales, out, part, counters, m, n, k, GROUP=group_size,
+        bias if bias is not None else channel_scales, out, part, counters, m, n, k, packed.shape[1], GROUP=group_size,
         TWO_LEVEL=two_level, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split, PTX=not _interpreting(), num_warps=config["num_warps"], num_stages=config["num_stages"],
         **dependent_launch_args(x.device))

@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from .w4a8 import dependent_launch_args, quantize_rows
 from .w4a8_swap import _HIGH, _HIGH_K, _K_CONSTRAINTS, _LOW, _LOW_K, EXACT_FROM_M, MAX_K
 from .w4a16 import split_buffers
-from .w4a16_swap import _CHUNK, CHUNK, layout_shape
+from .w4a16_swap import _CHUNK, CHUNK, checked_layout
 from .w4a16_wgmma import (
     _ahead,
     _cta_barrier,
@@ -128,12 +128,12 @@ def w4a8_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: tor
                       config: dict) -> torch.Tensor:
     """As w4a8_swap_matmul (same layout and arguments), on the Gluon kernel."""
     m, k = x.shape
-    n, layout_block = layout_shape(packed, k)
     split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    n = checked_layout(packed, k, block_k, "w4a8 wgmma kernel")
     two_level = group_scales is not None and group_size != k
     if k > MAX_K:
         raise ValueError(f"w4a8 wgmma kernel: K {k} over {MAX_K} (int32 accumulation)")
-    programs, tiles = launch_grid(m, n, k, group_size if two_level else k, config, layout_block)
+    programs, tiles = launch_grid(m, n, k, group_size if two_level else k, config)
     if group_scales is not None and not two_level:  # one group over all of K: its multiplier joins the channel
         channel_scales = channel_scales * group_scales[0].float()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

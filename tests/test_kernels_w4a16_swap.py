@@ -197,7 +197,8 @@ from quantkit.kernels.w4a16_swap import _w4a16_swap_kernel as fn
 for dtype in ("fp16", "bf16"):
     for per_channel, split, zeros in ((False, 4, False), (True, 1, False), (False, 4, True), (True, 1, True)):
         sig = {"x_ptr": "*" + dtype, "h_ptr": "*i16", "s_ptr": "*" + dtype, "z_ptr": "*u8", "bias_ptr": "*" + dtype,
-               "out_ptr": "*" + dtype, "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32"}
+               "out_ptr": "*" + dtype, "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+               "W": "i32"}
         consts = dict(GROUP=128, PER_CHANNEL=per_channel, HAS_ZEROS=zeros, HAS_BIAS=True, BLOCK_M=16,
                       BLOCK_N=128, BLOCK_K=128, SPLIT_K=split, UPCAST_DOT=False, PTX=True)
         check_register_operand(fn, sig, consts, r"wgmma.mma_async.sync.aligned.m64n16k16.f32.[bf0-9]+.[bf0-9]+",
@@ -301,7 +302,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from quantkit.kernels.w4a16_swap import _w4a16_swap_gemv_kernel as fn
 sig = {"x_ptr": "*fp16", "h_ptr": "*i16", "s_ptr": "*fp16", "z_ptr": "*u8", "bias_ptr": "*fp16", "out_ptr": "*fp16",
-       "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32"}
+       "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "W": "i32", "SPLIT_K": "i32"}
 sig = {**sig, **{name: "constexpr" for name in fn.arg_names if name not in sig}}
 for group, words, zeros, split in ((128, 16, False, True), (128, 16, True, False), (4096, 64, True, True),
                                    (64, 8, False, True)):

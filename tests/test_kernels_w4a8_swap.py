@@ -8,6 +8,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are d
 
 import pytest
 import torch
+from quantkit.kernels import SWAP_BLOCK, swap_weight_for
+from quantkit.kernels.autotune import candidates
 from quantkit.kernels.w4a8_swap import (
     _HIGH,
     _HIGH_K,
@@ -16,6 +18,13 @@ from quantkit.kernels.w4a8_swap import (
     repack_for_w4a8_swap,
     w4a8_swap_matmul,
     w4a8_swap_supported,
+)
+from quantkit.kernels.w4a16_swap import (
+    k_blocked,
+    layout_shape,
+    repack_for_swap,
+    w4a16_swap_gemv,
+    w4a16_swap_matmul,
 )
 from test_kernels_w4a8 import TOLERANCE, reference_w4a8
 from test_kernels_w4a16 import compile_for_sm90, poisoned_outputs, random_layer, relative_error  # noqa: F401
@@ -153,7 +162,7 @@ from quantkit.kernels.w4a8_swap import _w4a8_swap_kernel as fn
 for two_level, split, bm in ((True, 4, 16), (True, 1, 64), (False, 1, 16)):
     sig = {"xq_ptr": "*i8", "ts_ptr": "*fp32", "b_ptr": "*i8", "cs_ptr": "*fp32", "gs_ptr": "*fp16",
            "bias_ptr": "*fp16", "out_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
-           "N": "i32", "K": "i32"}
+           "N": "i32", "K": "i32", "W": "i32"}
     consts = dict(GROUP=128, TWO_LEVEL=two_level, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=128, BLOCK_K=128,
                   SPLIT_K=split, PTX=True, PDL=two_level)
     # the slices: 16 (q - 8) by a mask, or (two-level, 64 tokens) QQQ's (q - 8) k by a multiply-add per four weights
@@ -178,3 +187,39 @@ def test_swap_kernel_compiles_to_register_operand_int8_wgmma_for_sm90() -> None:
     registers, nothing but the cp.async copies goes through shared memory in the K loop, the PTX assembles; under
     programmatic dependent launch it waits for the quantization kernel, which lets it launch early."""
     compile_for_sm90(SWAP_COMPILE)
+
+
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_triton_swap_kernels_read_k_blocked_weights_alike() -> None:
+    """The swap kernel, the swap gemv and the W4A8 swap kernel on a weight in K blocks of 128 give the plain
+    layout's outputs bit for bit (the same arithmetic at other addresses): K tiles in every block, split K; a K
+    tile across two blocks is refused."""
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(7)).half()
+    layer = random_layer(512, 128, 128, torch.float16, sym=False, seed=5)
+    plain = repack_for_swap(layer.qweight)
+    blocked = k_blocked(plain, 512, 128)
+    swap = dict(kernel="swap", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=2)
+    gemv = dict(kernel="swap_gemv", BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=1)
+    for run, config in [(w4a16_swap_matmul, swap), (w4a16_swap_gemv, gemv)]:
+        expected = run(x, plain, layer.scales, layer.zeros, layer.bias, 128, config)
+        assert torch.equal(run(x, blocked, layer.scales, layer.zeros, layer.bias, 128, config), expected), run
+    with pytest.raises(ValueError, match="does not fit the weight's K blocks of 128"):
+        w4a16_swap_gemv(x, blocked, layer.scales, layer.zeros, None, 512, {**gemv, "BLOCK_K": 256})
+    qqq = qqq_layer(512, 128, 128, torch.float16, seed=6)
+    plain = repack_for_w4a8_swap(qqq.qweight)
+    expected = w4a8_swap_matmul(x, plain, qqq.channel_scales, qqq.scales, qqq.bias, 128, swap)
+    out = w4a8_swap_matmul(x, k_blocked(plain, 512, 128), qqq.channel_scales, qqq.scales, qqq.bias, 128, swap)
+    assert torch.equal(out, expected)
+
+
+def test_layers_get_their_swap_copy_in_k_blocks_and_configs_that_fit_them() -> None:
+    for act_bits, layer in [(16, random_layer(512, 128, 128, torch.float16, sym=True)), (8, qqq_layer(512, 128, 128,
+                                                                                                       torch.float16))]:
+        assert layout_shape(swap_weight_for(layer, True), 512) == (128, SWAP_BLOCK[act_bits])
+    odd = random_layer(320, 128, 64, torch.float16, sym=True)  # K not a multiple of 256: the plain layout
+    assert layout_shape(swap_weight_for(odd, True), 320) == (128, 320)
+    plain = candidates("w4a16", 1, 4096, 4096, 128, swap=True, hopper=True)
+    blocked = candidates("w4a16", 1, 4096, 4096, 128, swap=True, hopper=True, swap_block=256)
+    swap_kinds = ("swap", "swap_gemv", "tma_gemv", "wgmma")
+    assert any(c["kernel"] in swap_kinds and c["BLOCK_K"] == 512 for c in plain)
+    assert blocked == [c for c in plain if c["kernel"] not in swap_kinds or 256 % c["BLOCK_K"] == 0]
