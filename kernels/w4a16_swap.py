@@ -92,10 +92,12 @@ def checked_layout(packed: torch.Tensor, k: int, block_k: int, kernel: str) -> i
 
 
 @triton.jit
-def _block_start(col, W, N):
-    """Where column col of weight row 0 lies in a swap-layout weight, plain or k_blocked (W elements a row): the
-    rows of a K tile inside one block are W apart from there."""
-    return col // W * N * W + col % W
+def _block_start(col, W, N, TILE: tl.constexpr):
+    """Where column col (a K tile's first, a multiple of its TILE elements) of weight row 0 lies in a swap-layout
+    weight, plain or k_blocked (W elements a row): the rows of a tile inside one block are W apart from there.
+    Stated a multiple of TILE: else Triton cannot prove the rows' 16-byte alignment, and the tile's load leaves its
+    cp.async pipeline (and goes through shared memory into the mma's operand)."""
+    return tl.multiple_of(col // W * N * W + col % W, TILE)
 
 
 def swap_layout_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -179,7 +181,7 @@ def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
     x_run = tl.zeros((BLOCK_K // 4, BLOCK_M), dtype=tl.float32)
     for kt in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0 = kt * BLOCK_K
-        h = tl.load(h_ptrs + _block_start(k0 // 4, W, N))
+        h = tl.load(h_ptrs + _block_start(k0 // 4, W, N, BLOCK_K // 4))
         tile = acc if PER_CHANNEL else tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if not PER_CHANNEL:
             x_run = tl.zeros((BLOCK_K // 4, BLOCK_M), dtype=tl.float32)
@@ -277,11 +279,11 @@ _WORD_DOT_ZEROS = tl.constexpr(_gemv_word_dot_ptx(True))
 
 @triton.jit
 def _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k0, N, W, offs_n, u, run_first, GROUP: tl.constexpr,
-                     PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr, PTX: tl.constexpr):
+                     PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr, PTX: tl.constexpr, BLOCK_K: tl.constexpr):
     """One K tile's words [BN, GT, GW], group scales and zero points [BN, GT, 1] (fp32; per channel: unused
     here) and, for the PTX path, x's four fp16x2 slices [1, GT, GW] (fp16 pairs as int32)."""
     # read once: first out of L2 (H200: +1-7% at M = 1 on every shape, sweep_swap_gemv_prefetch_2026-12-04.md)
-    words = tl.load(w_ptrs + _block_start(k0 // 8, W, N), eviction_policy="evict_first")
+    words = tl.load(w_ptrs + _block_start(k0 // 8, W, N, BLOCK_K // 8), eviction_policy="evict_first")
     if PER_CHANNEL:
         idx = offs_n[:, None, None]
         s = tl.zeros((1, 1, 1), tl.float32)
@@ -349,11 +351,11 @@ def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     # slower at every depth on the H200: sweep_swap_gemv_stages_2026-12-04.md.)
     # (Two tiles in flight, the second in its own registers, lost 4-13%: sweep_swap_gemv_prefetch_2026-12-04.md.)
     words, s, z, x0, x1, x2, x3 = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, W, offs_n, u,
-                                                   run_first, GROUP, PER_CHANNEL, HAS_ZEROS, PTX)
+                                                   run_first, GROUP, PER_CHANNEL, HAS_ZEROS, PTX, BLOCK_K)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0, k_next = t * BLOCK_K, tl.minimum(t + SPLIT_K, last) * BLOCK_K  # the last tile re-reads itself
         nxt = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k_next, N, W, offs_n, u, run_first, GROUP,
-                               PER_CHANNEL, HAS_ZEROS, PTX)
+                               PER_CHANNEL, HAS_ZEROS, PTX, BLOCK_K)
         dots = _swap_gemv_dots(words, z, x0, x1, x2, x3, x_row, k0, u, HAS_ZEROS, PTX)
         acc += dots if PER_CHANNEL else dots * s
         words, s, z, x0, x1, x2, x3 = nxt

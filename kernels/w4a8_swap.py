@@ -86,7 +86,7 @@ def _w4a8_swap_kernel(xq_ptr, ts_ptr, b_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     for kt in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0 = kt * BLOCK_K
-        b = tl.load(b_ptrs + _block_start(k0 // 2, W, N))
+        b = tl.load(b_ptrs + _block_start(k0 // 2, W, N, BLOCK_K // 2))
         if TWO_LEVEL:  # the group's integer multipliers, one per row
             k = tl.load(gs_ptr + (k0 // GROUP) * N + offs_n).to(tl.int32)[:, None]
             c = k * -134744072 + -2139062144  # (128 - 8 k) * 0x01010101, in wrapping int32 arithmetic
