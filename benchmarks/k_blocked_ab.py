@@ -41,7 +41,7 @@ GEMV_MS, WGMMA_MS = (1, 2, 4), (16, 64)
 # beside the tuner's two: more warps, more rows, fewer rows, longer K tiles (all two stages, the sweep's winners),
 # and 128-input tiles (the only ones K blocks of 128 take) at ring depths of 16-64 KB
 TMA_TILES = TMA_GEMV_TILES + ((128, 256, 8, 2), (256, 256, 8, 2), (64, 256, 4, 2), (128, 512, 4, 2),
-                              (128, 128, 4, 2), (128, 128, 4, 4), (128, 128, 4, 6), (256, 128, 8, 2),
+                              (128, 128, 4, 4), (128, 128, 4, 6), (256, 128, 8, 2),
                               (256, 128, 8, 4), (64, 128, 4, 4))
 
 

@@ -110,11 +110,12 @@ def w4a8_run(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tenso
 
 
 # The K blocks of the layers' swap-layout copies (w4a16_swap.k_blocked), by activation bits. H200, every kernel on
-# the plain layout and on blocks of 128 / 256 / 512 inputs (benchmarks/kernels/log_k_blocked_ab_2026-12-05.txt):
-# the wgmma kernels' 128-input K tiles gained 2.5-6% on average at 16 tokens (W4A8 2-12%) from blocks of 128, where
-# the TMA gemv's 256-input tiles do not fit and its 128-input ones lost ~10% on the large shapes; blocks of 256 gave
-# the TMA gemv 0-2% on average (up to +7% on 70B down) and the wgmma kernels +0.4%. W4A8 has no gemv: 128.
-SWAP_BLOCK = {16: 256, 8: 128}
+# the plain layout and on blocks of 128 / 256 / 512 inputs (benchmarks/kernels/log_k_blocked_ab*_2026-12-05.txt):
+# the wgmma kernels' 128-input K tiles gained 2.5-6% on average at 16 tokens from blocks of 128 (W4A8 2-12%) and
+# ~0.4% from larger ones; the TMA gemv's 256-input tiles (which blocks of 128 cannot hold; its 128-input tiles lost
+# ~10% on the large shapes) gained up to 5% / 9% on 70B gate_up / down at one token from blocks of 512 (2-4% more
+# than from 256 on 70B gate_up, in both runs). W4A8 has no gemv: 128.
+SWAP_BLOCK = {16: 512, 8: 128}
 
 
 def swap_weight_for(layer: torch.nn.Module, symmetric: bool) -> torch.Tensor | None:

@@ -105,8 +105,9 @@ def swap_gemv_candidates(n: int, k: int, group: int) -> list[dict]:
 # The Gluon TMA gemv (w4a16_tma_gemv.py; fp16, Hopper): (BLOCK_N, BLOCK_K, warps, stages). The H200 sweep of 41 tiles
 # (kernels/log_ab_tma_gemv_2026-12-04.txt, M = 1 on six shapes, 2 and 4 on three): the first is the best in 11 of the
 # 12 cells, the second in the other (70B gate_up, 5% ahead). Two stages won: fewer shared-memory bytes per program,
-# more programs per SM.
-TMA_GEMV_TILES = ((128, 256, 4, 2), (64, 256, 4, 3))
+# more programs per SM. The third: 128-input tiles led on 8B qkv / o (2-6%) in the K-blocked layout's A/B
+# (kernels/log_k_blocked_ab_gemv_2026-12-05.txt).
+TMA_GEMV_TILES = ((128, 256, 4, 2), (64, 256, 4, 3), (128, 128, 4, 2))
 
 
 def tma_gemv_split(n: int, k: int, block_n: int, block_k: int) -> int:

@@ -213,9 +213,9 @@ def test_triton_swap_kernels_read_k_blocked_weights_alike() -> None:
 
 
 def test_layers_get_their_swap_copy_in_k_blocks_and_configs_that_fit_them() -> None:
-    for act_bits, layer in [(16, random_layer(512, 128, 128, torch.float16, sym=True)), (8, qqq_layer(512, 128, 128,
-                                                                                                       torch.float16))]:
-        assert layout_shape(swap_weight_for(layer, True), 512) == (128, SWAP_BLOCK[act_bits])
+    for act_bits, layer in [(16, random_layer(1024, 128, 128, torch.float16, sym=True)),
+                            (8, qqq_layer(1024, 128, 128, torch.float16))]:
+        assert layout_shape(swap_weight_for(layer, True), 1024) == (128, SWAP_BLOCK[act_bits]) != (128, 1024)
     odd = random_layer(320, 128, 64, torch.float16, sym=True)  # K not a multiple of 256: the plain layout
     assert layout_shape(swap_weight_for(odd, True), 320) == (128, 320)
     plain = candidates("w4a16", 1, 4096, 4096, 128, swap=True, hopper=True)
