@@ -37,7 +37,7 @@ def _compile(fn, sig: dict, consts: dict) -> str:
 
 def w4a16_wgmma_ptx(bm: int, bn: int, bk: int, warps: int, stages: int = 4, dtype: str = "fp16",
                     per_channel: bool = False, zeros: bool = False, split: bool = False, band: int = 1,
-                    bias: bool = True) -> str:
+                    bias: bool = True, pdl: bool = True) -> str:
     """PTX of w4a16_wgmma's kernel for one tile (BLOCK_M tokens x BLOCK_N weight rows x BLOCK_K inputs), g128 or per
     channel (K 4096)."""
     from .w4a16_wgmma import _w4a16_wgmma_kernel as fn
@@ -45,11 +45,11 @@ def w4a16_wgmma_ptx(bm: int, bn: int, bk: int, warps: int, stages: int = 4, dtyp
     sig = {"x_desc": _descriptor(dtype, [bm, 64]), "w_desc": _descriptor("i16", [bn, bk // 4]), "s_ptr": "*" + dtype,
            "z_ptr": "*u8", "bias_ptr": "*" + dtype, "out_ptr": "*" + dtype, "part_ptr": "*fp32", "count_ptr": "*i32"}
     return _compile(fn, sig, dict(GROUP=4096 if per_channel else 128, PER_CHANNEL=per_channel, HAS_ZEROS=zeros,
-                                  HAS_BIAS=bias, IS_SPLIT=split, STAGES=stages, BAND=band, num_warps=warps))
+                                  HAS_BIAS=bias, IS_SPLIT=split, STAGES=stages, BAND=band, PDL=pdl, num_warps=warps))
 
 
 def w4a16_tma_gemv_ptx(bn: int, bk: int, warps: int, stages: int = 4, per_channel: bool = False,
-                       zeros: bool = False, split: bool = False, bias: bool = True) -> str:
+                       zeros: bool = False, split: bool = False, bias: bool = True, pdl: bool = True) -> str:
     """PTX of w4a16_tma_gemv's kernel for one tile (BLOCK_N weight rows x BLOCK_K inputs), fp16, g128 or per channel
     (K 4096)."""
     from .w4a16_tma_gemv import WORDS_SMEM_LAYOUT
@@ -58,7 +58,7 @@ def w4a16_tma_gemv_ptx(bn: int, bk: int, warps: int, stages: int = 4, per_channe
     sig = {"w_desc": f"tensordesc<i32[{bn}, {bk // 8}],{WORDS_SMEM_LAYOUT!r}>", "x_ptr": "*fp16", "s_ptr": "*fp16",
            "z_ptr": "*u8", "bias_ptr": "*fp16", "out_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     return _compile(fn, sig, dict(GROUP=4096 if per_channel else 128, PER_CHANNEL=per_channel, HAS_ZEROS=zeros,
-                                  HAS_BIAS=bias, IS_SPLIT=split, STAGES=stages, num_warps=warps))
+                                  HAS_BIAS=bias, IS_SPLIT=split, STAGES=stages, PDL=pdl, num_warps=warps))
 
 
 def w4a8_wgmma_ptx(bm: int, bn: int, warps: int, stages: int = 4, two_level: bool = True, split: bool = False,

@@ -29,9 +29,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .w4a8 import dependent_launch_args
 from .w4a16 import split_buffers
 from .w4a16_swap import _gemv_word_dot_ptx, checked_layout
-from .w4a16_wgmma import _cta_barrier, _store_tile, _tma_load, _weight_box, aligned_16
+from .w4a16_wgmma import _cta_barrier, _store_tile, _tma_load, _wait_for_prior_grid, _weight_box, aligned_16
 
 _DOT = gl.constexpr(_gemv_word_dot_ptx(False))
 _DOT_ZEROS = gl.constexpr(_gemv_word_dot_ptx(True))
@@ -110,7 +111,7 @@ def _tile_params(x32_ptr, s_ptr, z_ptr, t, N, rows, quads, lanes, GROUP: gl.cons
 def _w4a16_tma_gemv_kernel(w_desc, x_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                            GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
                            HAS_BIAS: gl.constexpr, SPLIT_K, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           PDL: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     KW: gl.constexpr = w_desc.block_type.shape[1]  # int32 words per row of a K tile (8 inputs each)
     Q: gl.constexpr = KW // 4  # threads along a row's K tile (4 words each)
@@ -133,6 +134,8 @@ def _w4a16_tma_gemv_kernel(w_desc, x_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     x32_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + m * (K // 2)
 
     ring, bars = _ring_start(w_desc, off_n, first_tile, tiles, N, STAGES)
+    if PDL:  # launched early (w4a8.dependent_launch): the weight is in flight, x is the kernel before's to write
+        _wait_for_prior_grid()
 
     x0, x1, x2, x3, s, z = _tile_params(x32_ptr, s_ptr, z_ptr, first_tile, N, rows, quads, lanes, GROUP, KW,
                                         PER_CHANNEL, HAS_ZEROS, layout)
@@ -196,5 +199,6 @@ def w4a16_tma_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
         _descriptor(packed, block_n, block_k), x, scales, zeros if zeros is not None else scales,
         bias if bias is not None else scales, out, part, counters, m, n, k, GROUP=group_size,
         PER_CHANNEL=group_size == k, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT_K=split,
-        IS_SPLIT=split > 1, STAGES=config["num_stages"], num_warps=config["num_warps"])
+        IS_SPLIT=split > 1, STAGES=config["num_stages"], num_warps=config["num_warps"],
+        **dependent_launch_args(x.device))
     return out

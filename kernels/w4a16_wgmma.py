@@ -31,6 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .w4a8 import dependent_launch_args
 from .w4a16 import split_buffers
 from .w4a16_swap import _CHUNK, CHUNK, _slice_ptx, checked_layout
 
@@ -173,7 +174,7 @@ def _row_params(s_ptr, z_ptr, k0, N, offs_n, GROUP: gl.constexpr, HAS_ZEROS: gl.
 def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                         GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
                         HAS_BIAS: gl.constexpr, SPLIT_K, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                        BAND: gl.constexpr, num_warps: gl.constexpr):
+                        BAND: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = 4 * w_desc.block_type.shape[1]
@@ -185,8 +186,9 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
 
+    # PDL (w4a8.dependent_launch): the ring's first weight tiles load before waiting for the kernel that writes x
     units, tiles, grid_n, grid_m, w_smem, x_smem, bars = _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K,
-                                                                         STAGES, BAND)
+                                                                         STAGES, BAND, PDL)
     pid, programs = gl.program_id(0), gl.num_programs(0)
     off_n, off_m, pid_k, out_tile = _unit(pid, units, grid_n, grid_m, BLOCK_N, BLOCK_M, BAND)
     s, zc = _row_params(s_ptr, z_ptr, pid_k * BLOCK_K, N, off_n + rows, GROUP, HAS_ZEROS, dtype)
@@ -350,5 +352,5 @@ def w4a16_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
         zeros if zeros is not None else scales, bias if bias is not None else scales, out, part, counters, m, n, k,
         GROUP=group_size, PER_CHANNEL=group_size == k, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
         SPLIT_K=split, IS_SPLIT=split > 1, STAGES=config["num_stages"],
-        BAND=device_unit_band(n, block_n, x.device), num_warps=config["num_warps"])
+        BAND=device_unit_band(n, block_n, x.device), num_warps=config["num_warps"], **dependent_launch_args(x.device))
     return out

@@ -106,16 +106,18 @@ def row_segments(m: int, k: int) -> int:
 
 @functools.cache
 def dependent_launch(device: torch.device) -> bool:
-    """Whether the W4A8 GEMMs after quantize_rows are launched as its programmatic dependents (PDL, sm_90 on): their
-    programs start while the quantization runs (launch, prologue, the weight ring's first tiles) and wait for it only
-    before reading x. QUANTKIT_PDL=0 turns it off."""
+    """Whether the GEMMs are launched as programmatic dependents of the kernel before them (PDL, sm_90 on): W4A8's of
+    quantize_rows, which lets them start at once, W4A16's TMA kernels of whatever wrote x (which, not asking for it,
+    lets them start as its last programs leave). Their programs then run their launch, prologue and the weight
+    ring's first tiles early and wait for that kernel only before reading x. QUANTKIT_PDL=0 turns it off."""
     return (device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device) >= (9, 0)
             and os.environ.get("QUANTKIT_PDL", "1") != "0")
 
 
 def dependent_launch_args(device: torch.device) -> dict:
-    """Launch keywords of a W4A8 GEMM that follows quantize_rows: the kernel's PDL constexpr (wait for the quantization
-    before reading x) and Triton's launch_pdl, always together: a kernel launched early that did not wait would race."""
+    """Launch keywords of a GEMM launched as a programmatic dependent: the kernel's PDL constexpr (wait for the kernel
+    before reading x, and before any write) and Triton's launch_pdl, always together: a kernel launched early that
+    did not wait would race."""
     return dict(PDL=True, launch_pdl=True) if dependent_launch(device) else dict(PDL=False)
 
 

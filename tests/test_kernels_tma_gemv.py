@@ -28,6 +28,9 @@ def check(bn, bk, warps, stages, per_channel, zeros, split):
     assert ptx.count("ld.global.v4.b32") == 8, ptx.count("ld.global.v4.b32")
     assert ptx.count("lop3.b32") == 16 * rows  # 4 per word (Marlin's nibble-to-fp16 OR), 4 words a row
     assert ("atom" in ptx) == split
+    # PDL: the ring's first weight tiles are in flight before the wait for the kernel that writes x, x loads after
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.index("cp.async.bulk.tensor") < wait < ptx.index("ld.global.v4.b32")
     report = ptxas_report(ptx)
     assert report["spill_bytes"] == 0, report["text"][-2000:]
 
@@ -42,7 +45,8 @@ print("compiled")
 def test_tma_gemv_compiles_to_a_tma_ring_and_vector_loads_for_sm90() -> None:
     """What the kernel exists for, on its sm_90 compile (Triton's bundled ptxas, no GPU): the weight arrives only
     through TMA copies behind mbarriers, each thread reads 16 bytes of a row per shared load and x's pairs in
-    16-byte loads, the half2 word dots are assembled, nothing spills; g128 / per channel, zero points, split K."""
+    16-byte loads, the half2 word dots are assembled, nothing spills; g128 / per channel, zero points, split K; under
+    PDL the weight ring starts before the wait for x."""
     compile_for_sm90(TMA_GEMV_COMPILE)
 
 

@@ -31,7 +31,10 @@ def assert_wgmma_not_serialized(ptx):
 
 def check(dtype, bm, bn, bk, warps, per_channel, zeros, split):
     ptx = w4a16_wgmma_ptx(bm, bn, bk, warps, dtype=dtype, per_channel=per_channel, zeros=zeros, split=split,
-                          band=8 if split else 1)
+                          band=8 if split else 1, pdl=not zeros)
+    # PDL: the ring's first weight tiles are issued before waiting for the kernel that writes x
+    assert ("griddepcontrol.wait" in ptx) == (not zeros)
+    assert zeros or ptx.index("cp.async.bulk.tensor") < ptx.index("griddepcontrol.wait")
     mma = re.findall(r"wgmma.mma_async.sync.aligned.m64n(\\d+)k16.f32.(\\w+).(\\w+) [{][^}]*[}], [{]", ptx)
     # per K tile: one wgmma per 64 weight rows of each warpgroup, per nibble slice (4) of each 64-input chunk
     assert len(mma) == (bn // 64) // (warps // 4) * 4 * (bk // 64), (len(mma), bm, bn, bk)
