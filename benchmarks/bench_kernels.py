@@ -18,6 +18,7 @@ import math
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -562,6 +563,18 @@ def time_quantize_rows(log) -> int:
     return mismatches
 
 
+def printing_log(path: Path) -> Callable[[str], None]:
+    """log(msg): printed and appended to `path` at once (a run cut off by its time limit keeps what it logged)."""
+    logfile = open(path, "a")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        logfile.write(msg + "\n")
+        logfile.flush()
+
+    return log
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/kernels"))
@@ -581,12 +594,7 @@ def main() -> int:
     parser.add_argument("--compare-pdl", action="store_true", help="grid: also time each cell without PDL")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    logfile = open(args.out / "log.txt", "a")
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        logfile.write(msg + "\n")
-        logfile.flush()
+    log = printing_log(args.out / "log.txt")
 
     import triton
 

@@ -25,13 +25,28 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_kernels import DTYPE, SHAPES, config_runner, copies_for, graph_time, random_layer, reference
+from bench_kernels import (
+    DTYPE,
+    SHAPES,
+    config_runner,
+    copies_for,
+    graph_time,
+    printing_log,
+    random_layer,
+    reference,
+)
 from quantkit.kernels import SWAP_BLOCK, make_kernel_forward
-from quantkit.kernels.autotune import TMA_GEMV_TILES, _cache, tma_gemv_split, tuning_key, wgmma_candidates
+from quantkit.kernels.autotune import (
+    TMA_GEMV_TILES,
+    _cache,
+    tma_gemv_candidates,
+    tuning_key,
+    wgmma_candidates,
+)
 from quantkit.kernels.w4a8_swap import repack_for_w4a8_swap
 from quantkit.kernels.w4a8_wgmma import w4a8_wgmma_matmul
 from quantkit.kernels.w4a16_swap import k_blocked, repack_for_swap
-from quantkit.kernels.w4a16_tma_gemv import tma_gemv_fits, w4a16_tma_gemv
+from quantkit.kernels.w4a16_tma_gemv import w4a16_tma_gemv
 from quantkit.kernels.w4a16_wgmma import w4a16_wgmma_matmul
 from tma_ring_ceiling import ring_copy
 
@@ -43,17 +58,6 @@ GEMV_MS, WGMMA_MS = (1, 2, 4), (16, 64)
 TMA_TILES = TMA_GEMV_TILES + ((128, 256, 8, 2), (256, 256, 8, 2), (64, 256, 4, 2), (128, 512, 4, 2),
                               (128, 128, 4, 4), (128, 128, 4, 6), (256, 128, 8, 2),
                               (256, 128, 8, 4), (64, 128, 4, 4))
-
-
-def tma_configs(n: int, k: int) -> list[dict]:
-    out = []
-    for bn, bk, warps, stages in TMA_TILES:
-        split = tma_gemv_split(n, k, bn, bk)
-        for s in dict.fromkeys((split, max(1, split // 2))):
-            if tma_gemv_fits(k, n, GROUP, bn, bk, s):
-                out.append(dict(kernel="tma_gemv", BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=warps,
-                                num_stages=stages))
-    return out
 
 
 def caller(scheme: str, layer, cfg: dict):
@@ -113,7 +117,8 @@ def shape_rows(shape: str, k: int, n: int, log, schemes: list[str], ms: list[int
             xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
             ref = reference(layers[0], xs[0])
             t_cublas = cublas_time(k, n, m)
-            configs = tma_configs(n, k) if m in GEMV_MS else wgmma_candidates(scheme, m, n, k, GROUP)
+            configs = (tma_gemv_candidates(n, k, GROUP, TMA_TILES) if m in GEMV_MS
+                       else wgmma_candidates(scheme, m, n, k, GROUP))
             cell = []
             for cfg in configs:
                 try:
@@ -171,12 +176,7 @@ def main() -> int:
     parser.add_argument("--skip-gate-up", action="store_true", help="leave out the gate_up cell at 1024 tokens")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    logfile = open(args.out / "log_k_blocked_ab.txt", "a")
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        logfile.write(msg + "\n")
-        logfile.flush()
+    log = printing_log(args.out / "log_k_blocked_ab.txt")
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),

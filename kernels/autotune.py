@@ -120,12 +120,13 @@ def tma_gemv_split(n: int, k: int, block_n: int, block_k: int) -> int:
     return split
 
 
-def tma_gemv_candidates(n: int, k: int, group: int) -> list[dict]:
-    """The TMA gemv's configs that fit the layer, at tma_gemv_split and half of it."""
+def tma_gemv_candidates(n: int, k: int, group: int, tiles: tuple = TMA_GEMV_TILES) -> list[dict]:
+    """The TMA gemv's configs of these tiles (BLOCK_N, BLOCK_K, warps, stages) that fit the layer, at
+    tma_gemv_split and half of it."""
     from .w4a16_tma_gemv import tma_gemv_fits
 
     out = []
-    for bn, bk, warps, stages in TMA_GEMV_TILES:
+    for bn, bk, warps, stages in tiles:
         split = tma_gemv_split(n, k, bn, bk)
         for s in dict.fromkeys((split, max(1, split // 2))):
             if tma_gemv_fits(k, n, group, bn, bk, s):
