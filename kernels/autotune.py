@@ -48,8 +48,8 @@ def _tile(kernel: str, block_m: int, block_n: int, block_k: int, warps: int, sta
                 num_warps=warps, num_stages=stages)
 
 
-GEMV_KERNELS = ("gemv_h2", "gemv")
-SWAP_LAYOUT_KERNELS = ("swap", "swap_gemv", "tma_gemv", "wgmma")  # the kernels that read the swap-layout copy  # half2 PTX (fp16 on CUDA; the fp32 gemv elsewhere), then fp32 FMAs
+GEMV_KERNELS = ("gemv_h2", "gemv")  # half2 PTX (fp16 on CUDA; the fp32 gemv elsewhere), then fp32 FMAs
+SWAP_LAYOUT_KERNELS = ("swap", "swap_gemv", "tma_gemv", "wgmma")  # the kernels that read the swap-layout copy
 GEMV_PROGRAMS_PER_SM = 4  # decode is bandwidth bound: several resident programs per SM hide DRAM latency
 
 
@@ -228,8 +228,9 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
         wgmma = wgmma_candidates(scheme, m, n, k, group)
         lead = 32 <= b <= 512 if scheme == "w4a16" else b >= 256
         out = wgmma + out if lead else out + wgmma
-    return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm") or _fits(c, k, group)
-            and not (c["kernel"] in SWAP_LAYOUT_KERNELS and swap_block and swap_block % c["BLOCK_K"])]
+    return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm")
+            or (_fits(c, k, group) and not (c["kernel"] in SWAP_LAYOUT_KERNELS and swap_block
+                                            and swap_block % c["BLOCK_K"]))]
 
 
 # The Gluon kernels on the swap layouts with asynchronous wgmma (w4a16_wgmma.py, w4a8_wgmma.py), by M bucket:
