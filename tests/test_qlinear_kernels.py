@@ -36,23 +36,25 @@ def test_kernel_forward_matches_reference_forward(act_bits, group, two_level, dt
 @pytest.mark.parametrize(("act_bits", "group", "sym"), [(16, 64, True), (16, 64, False), (16, -1, False),
                                                        (8, 64, True), (8, -1, True)])
 def test_layers_run_the_swap_kernel_through_quantlinear(monkeypatch, act_bits, group, sym):
-    """From 2 to 64 tokens the swap kernel is the default; its weight copy exists for every W4A16 layer and for
+    """From 2 to 64 tokens the swap kernel is the default; its weight copy (in K blocks) exists for every W4A16 layer and for
     symmetric W4A8 ones (per channel, or two-level with integer group scales, as quantkit's QQQ writes them)."""
     import quantkit.kernels.w4a8_swap as swap8
     import quantkit.kernels.w4a16_swap as swap16
-    from quantkit.kernels import swap_weight_for
+    from quantkit.kernels import SWAP_BLOCK, swap_weight_for
 
     two_level = act_bits == 8 and group != -1
     mod, name = (swap16, "w4a16_swap_matmul") if act_bits == 16 else (swap8, "w4a8_swap_matmul")
     repack = swap16.repack_for_swap if act_bits == 16 else swap8.repack_for_w4a8_swap
 
+    k = 1024  # whole K blocks for both schemes: the kernels run on the layers' k_blocked copies
+
     def layer_in(dtype: torch.dtype) -> QuantLinear:
         if act_bits == 16:
-            return random_layer(256, 128, group, dtype, sym=sym)
-        return qqq_layer(256, 128, group, dtype)
+            return random_layer(k, 128, group, dtype, sym=sym)
+        return qqq_layer(k, 128, group, dtype)
 
     layer = layer_in(torch.float16)
-    assert torch.equal(swap_weight_for(layer, sym), repack(layer.qweight))
+    assert torch.equal(swap_weight_for(layer, sym), swap16.k_blocked(repack(layer.qweight), k, SWAP_BLOCK[act_bits]))
     if act_bits == 8:
         assert swap_weight_for(layer, False) is None  # W4A8 zero points: the other kernels
     assert swap_weight_for(layer_in(torch.bfloat16), sym) is not None
@@ -60,7 +62,7 @@ def test_layers_run_the_swap_kernel_through_quantlinear(monkeypatch, act_bits, g
     monkeypatch.setattr(mod, name, lambda *args: configs.append(args[-1]) or real(*args))
     forward = make_kernel_forward(layer)
     for m in (5, 64):  # W4A8 two-level: 64-token tiles make QQQ's int8 weights in registers, 16-token ones drain
-        x = torch.randn(m, 256, dtype=torch.float16)
+        x = torch.randn(m, k, dtype=torch.float16)
         assert relative_error(forward(x), layer.reference_forward(x).double()) < 2e-3
     assert [(c["kernel"], c["BLOCK_M"]) for c in configs] == [("swap", 16), ("swap", 64)]
     if two_level:  # fractional group scales (a QQQ-reference checkpoint): the other kernels
