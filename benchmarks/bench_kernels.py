@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from quantkit.kernels import make_kernel_forward, swap_block, swap_weight_for
-from quantkit.kernels.autotune import GEMV_KERNELS, SWAP_LAYOUT_KERNELS
+from quantkit.kernels.autotune import GEMV_KERNELS, SWAP_LAYOUT_KERNELS, fits_swap_block
 
 from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
 
@@ -77,11 +77,6 @@ def reference(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 def layer_swap_block(layer: QuantLinear) -> int | None:
     """The K block of the swap-layout copy make_kernel_forward gives this layer (None: no copy)."""
     return swap_block(swap_weight_for(layer, bool((layer.zeros == 8).all())), layer.in_features)
-
-
-def fits_swap_block(cfg: dict, block: int | None) -> bool:
-    """Whether a config's K tile fits the layer's swap-layout blocks (configs of the other kernels always do)."""
-    return cfg["kernel"] not in SWAP_LAYOUT_KERNELS or not block or block % cfg["BLOCK_K"] == 0
 
 
 def config_runner(layer: QuantLinear):

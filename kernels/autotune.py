@@ -229,8 +229,13 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
         lead = 32 <= b <= 512 if scheme == "w4a16" else b >= 256
         out = wgmma + out if lead else out + wgmma
     return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm")
-            or (_fits(c, k, group) and not (c["kernel"] in SWAP_LAYOUT_KERNELS and swap_block
-                                            and swap_block % c["BLOCK_K"]))]
+            or (_fits(c, k, group) and fits_swap_block(c, swap_block))]
+
+
+def fits_swap_block(cfg: dict, swap_block: int | None) -> bool:
+    """Whether a config's K tile fits the K blocks of the layer's swap-layout copy (None: plain, all of K); the
+    kernels that do not read that copy always fit."""
+    return cfg["kernel"] not in SWAP_LAYOUT_KERNELS or not swap_block or swap_block % cfg["BLOCK_K"] == 0
 
 
 # The Gluon kernels on the swap layouts with asynchronous wgmma (w4a16_wgmma.py, w4a8_wgmma.py), by M bucket:
