@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from bench_kernels import (
     DTYPE,
     SHAPES,
+    _rel_err,
     config_runner,
     copies_for,
     graph_time,
@@ -69,10 +70,6 @@ def caller(scheme: str, layer, cfg: dict):
     return lambda x, p: w4a8_wgmma_matmul(x, p, layer.channel_scales, layer.scales, None, GROUP, cfg)
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
 def cublas_time(k: int, n: int, m: int) -> float:
     calls = []
     for _ in range(copies_for(2 * (k * n + m * k + m * n))):
@@ -86,7 +83,7 @@ def time_config(scheme: str, cfg: dict, layers: list, packs: dict[str, list], xs
     """cfg on every layout its K tile fits: time, weight TB/s, and (M = 1, TMA gemv) its ring copy's."""
     calls = [caller(scheme, la, cfg) for la in layers]
     plain = calls[0](xs[0], packs["plain"][0])
-    err = rel_err(plain, ref)
+    err = _rel_err(plain, ref)
     rows = []
     for name, copies in packs.items():
         if name != "plain" and int(name[1:]) % cfg["BLOCK_K"]:
