@@ -15,6 +15,7 @@ import datetime
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 import time
@@ -38,21 +39,22 @@ DTYPE = torch.float16
 
 
 def random_layer(k: int, n: int, group: int, scheme: str, dtype: torch.dtype = DTYPE, sym: bool = True,
-                 bias: bool = False) -> QuantLinear:
-    """Random QuantLinear on the GPU: W4A16, W4A8 per-channel (group -1) or W4A8 two-level (group > 0)."""
+                 bias: bool = False, device: str = "cuda") -> QuantLinear:
+    """Random QuantLinear: W4A16, W4A8 per-channel (group -1) or W4A8 two-level (group > 0). Its own forward
+    is built before the buffers are filled: time it through make_kernel_forward, or call prepare_kernels."""
     two_level = scheme == "w4a8" and group != -1
-    layer = QuantLinear(k, n, 4, group, bias, 8 if scheme == "w4a8" else 16, two_level, dtype).cuda()
-    layer.qweight.copy_(torch.randint(-2**31, 2**31 - 1, layer.qweight.shape, dtype=torch.int32, device="cuda"))
+    layer = QuantLinear(k, n, 4, group, bias, 8 if scheme == "w4a8" else 16, two_level, dtype).to(device)
+    layer.qweight.copy_(torch.randint(-2**31, 2**31 - 1, layer.qweight.shape, dtype=torch.int32, device=device))
     g = layer.scales.shape[0]
     if two_level:  # integer group scales, as quantkit's QQQ writes them (the swap kernel needs them)
-        layer.scales.copy_(torch.randint(1, 17, (g, n), device="cuda"))
-        layer.channel_scales.copy_(1e-3 + 1e-2 * torch.rand(n, device="cuda"))
+        layer.scales.copy_(torch.randint(1, 17, (g, n), device=device))
+        layer.channel_scales.copy_(1e-3 + 1e-2 * torch.rand(n, device=device))
     else:
-        layer.scales.copy_(5e-3 + 2e-2 * torch.rand(g, n, device="cuda"))
+        layer.scales.copy_(5e-3 + 2e-2 * torch.rand(g, n, device=device))
     zeros = torch.full((g, n), 8) if sym else torch.randint(0, 16, (g, n))
     layer.zeros.copy_(zeros.to(torch.uint8))
     if bias:
-        layer.bias.copy_(torch.randn(n, device="cuda"))
+        layer.bias.copy_(torch.randn(n, device=device))
     return layer
 
 
@@ -210,10 +212,17 @@ def copies_for(bytes_per_call: int) -> int:
     return max(1, min(16, math.ceil(3 * L2_BYTES / bytes_per_call)))
 
 
+def cublas_time(k: int, n: int, m: int) -> float:
+    """The baseline: seconds per fp16 F.linear (cuBLAS) of x [m, k] by a random [n, k] weight, L2 defeated."""
+    calls = []
+    for _ in range(copies_for(2 * (k * n + m * k + m * n))):
+        w, x = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02, torch.randn(m, k, device="cuda", dtype=DTYPE)
+        calls.append(lambda w=w, x=x: F.linear(x, w))
+    return graph_time(calls)
+
+
 def _without_pdl(calls: list) -> float:
     """graph_time of calls with programmatic dependent launch off (QUANTKIT_PDL=0), then as it was."""
-    import os
-
     from quantkit.kernels.w4a8 import dependent_launch
 
     before = os.environ.get("QUANTKIT_PDL")
@@ -233,13 +242,7 @@ def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict, sy
                compare_pdl: bool = False) -> dict:
     fp16_bytes = 2 * (k * n + m * k + m * n)
     q_bytes = k * n // 2 + 2 * n * (k // (group if group > 0 else k)) + 2 * (m * k + m * n)
-    base_calls, quant_calls = [], []
-    for _ in range(copies_for(fp16_bytes)):
-        w = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02
-        x = torch.randn(m, k, device="cuda", dtype=DTYPE)
-        base_calls.append(lambda w=w, x=x: F.linear(x, w))
-    t_base = graph_time(base_calls)
-    del base_calls
+    t_base, quant_calls = cublas_time(k, n, m), []
     key = (scheme, k, n, group, sym)
     if key not in layers:
         layers.clear()
@@ -498,13 +501,7 @@ def sweep_markdown(rows: list[dict]) -> str:
 def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: float, budget_s: float,
                 rows: list, seen: dict, candidates, kinds: list[str] | None = None, sym: bool = True) -> int:
     q_bytes = k * n // 2 + 2 * n * (k // 128) + 2 * (m * k + m * n)
-    fp16_bytes = 2 * (k * n + m * k + m * n)
-    base_calls = []
-    for _ in range(copies_for(fp16_bytes)):
-        w, x = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02, torch.randn(m, k, device="cuda", dtype=DTYPE)
-        base_calls.append(lambda w=w, x=x: F.linear(x, w))
-    t_base = graph_time(base_calls)
-    del base_calls, w
+    t_base = cublas_time(k, n, m)
     layers = [random_layer(k, n, 128, scheme, sym=sym) for _ in range(copies_for(q_bytes))]
     xs = [torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in layers]
     runners = [config_runner(la) for la in layers]
@@ -558,6 +555,22 @@ def time_quantize_rows(log) -> int:
     return mismatches
 
 
+def run_meta(**extra) -> dict:
+    """Date, device, command, commit and versions of this run. QUANTKIT_COMMIT names the commit where the device's
+    copy of the tree has no git history of its own (its HEAD is not the code's)."""
+    import triton
+
+    commit = os.environ.get("QUANTKIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            commit = ""
+    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
+                command=" ".join(sys.argv), commit=commit or "uncommitted", torch=torch.__version__,
+                triton=triton.__version__, **extra)
+
+
 def printing_log(path: Path) -> Callable[[str], None]:
     """log(msg): printed and appended to `path` at once (a run cut off by its time limit keeps what it logged)."""
     logfile = open(path, "a")
@@ -591,16 +604,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     log = printing_log(args.out / "log.txt")
 
-    import triton
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
-                check_failures=None,
-                command=" ".join(sys.argv), commit=commit or "uncommitted", torch=torch.__version__,
-                triton=triton.__version__)
+    meta = run_meta(check_failures=None)
     torch.manual_seed(0)
     if args.quantize_rows:
         return int(time_quantize_rows(log) > 0)

@@ -16,25 +16,24 @@ config through QuantLinear's forward (the config cached) and through the config 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from bench_kernels import (
     DTYPE,
     SHAPES,
     _rel_err,
     config_runner,
     copies_for,
+    cublas_time,
     graph_time,
     printing_log,
     random_layer,
     reference,
+    run_meta,
 )
 from quantkit.kernels import SWAP_BLOCK, make_kernel_forward
 from quantkit.kernels.autotune import (
@@ -68,14 +67,6 @@ def caller(scheme: str, layer, cfg: dict):
     if scheme == "w4a16":
         return lambda x, p: w4a16_wgmma_matmul(x, p, layer.scales, None, None, GROUP, cfg)
     return lambda x, p: w4a8_wgmma_matmul(x, p, layer.channel_scales, layer.scales, None, GROUP, cfg)
-
-
-def cublas_time(k: int, n: int, m: int) -> float:
-    calls = []
-    for _ in range(copies_for(2 * (k * n + m * k + m * n))):
-        w, x = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02, torch.randn(m, k, device="cuda", dtype=DTYPE)
-        calls.append(lambda w=w, x=x: F.linear(x, w))
-    return graph_time(calls)
 
 
 def time_config(scheme: str, cfg: dict, layers: list, packs: dict[str, list], xs: list, ref: torch.Tensor,
@@ -175,9 +166,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     log = printing_log(args.out / "log_k_blocked_ab.txt")
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
-                command=" ".join(sys.argv), commit=commit or "uncommitted", torch=torch.__version__)
+    meta = run_meta()
     torch.manual_seed(0)
     result: dict = dict(meta=meta, rows=[])
     if not args.skip_gate_up:

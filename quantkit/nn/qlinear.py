@@ -99,6 +99,35 @@ class QuantLinear(nn.Module):
             layer.bias.copy_(bias.to(dtype))
         return layer
 
+    @classmethod
+    def concatenated(cls, layers: list[QuantLinear]) -> QuantLinear:
+        """One layer computing `layers` side by side (outputs concatenated), as serving engines fuse q/k/v and
+        gate/up: every output column keeps its codes, scales and zero points, so each slice of the output is the
+        same function of x as its source layer. The layers must share input size, bits, group, activation bits,
+        dtype and scale scheme; a bias missing from some is zero there."""
+        first = layers[0]
+        for layer in layers[1:]:
+            for attribute in ("in_features", "bits", "group_size", "act_bits"):
+                if getattr(layer, attribute) != getattr(first, attribute):
+                    raise ValueError(f"cannot concatenate QuantLinears with {attribute} "
+                                     f"{getattr(first, attribute)} and {getattr(layer, attribute)}")
+            if (layer.scales.dtype, layer.channel_scales is None) != (first.scales.dtype, first.channel_scales is None):
+                raise ValueError("cannot concatenate QuantLinears with different scale dtypes or scale schemes")
+        has_bias = any(layer.bias is not None for layer in layers)
+        fused = cls(first.in_features, sum(layer.out_features for layer in layers), first.bits, first.group_size,
+                    False, first.act_bits, first.channel_scales is not None, first.scales.dtype)
+        fused.qweight = torch.cat([layer.qweight for layer in layers], dim=1)
+        fused.scales = torch.cat([layer.scales for layer in layers], dim=1)
+        fused.zeros = torch.cat([layer.zeros for layer in layers], dim=1)
+        if first.channel_scales is not None:
+            fused.channel_scales = torch.cat([layer.channel_scales for layer in layers])
+        if has_bias:
+            fused.bias = torch.cat([layer.bias if layer.bias is not None else layer.scales.new_zeros(layer.out_features)
+                                    for layer in layers])
+        if fused._wants_kernel():
+            fused.prepare_kernels()
+        return fused
+
     def to_quantized(self) -> QuantizedWeight:
         channel = None if self.channel_scales is None else self.channel_scales.float()
         scales = self.scales.t().float()

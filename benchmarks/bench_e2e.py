@@ -1,0 +1,171 @@
+"""End-to-end speed of a Llama-3-8B-shaped model: fp16 against quantkit's W4A16 / W4A8 layers on their kernels.
+
+    source benchmarks/device_env.sh; QUANTKIT_COMMIT=<commit> python benchmarks/bench_e2e.py --out DIR \
+        [--schemes w4a16 w4a8] [--batches 1 4 16] [--prompt 512] [--layers 32]
+
+Random weights (speed does not depend on their values): the fp16 model from Llama-3-8B's config, then each scheme's
+random QuantLinears (g128 symmetric; W4A8 with QQQ's two-level scales, bench_kernels.random_layer) in place of every
+decoder linear; embeddings and lm_head stay fp16 in all. quantkit.decode.StaticDecoder runs each model (q/k/v and
+gate/up fused, as serving engines fuse them; a static KV cache of prompt + 64 positions).
+- decode: one step of `batch` tokens at position `prompt`, captured in a CUDA graph and replayed (median ms per
+  step), tokens/s, and the bytes a step must read (linear weights and scales, lm_head, the whole cache) per second
+  against the H200's 4.25 TB/s copy roof;
+- prefill: `prompt` tokens of one sequence, graph-replayed the same way (lm_head on the last token only);
+- check: one decode step's logits on the kernels against the same layers' reference path (dequantized weights,
+  F.linear) from the same cache, after a prefill on the kernels: relative error and whether the top token agrees.
+The fp16 model runs first in the same process: every speedup is against it. Kernels tune on their first (eager) call
+per shape and token count, outside the graphs; QUANTKIT_CACHE_DIR keeps the tuned configs for the next run.
+Writes e2e.json and e2e.md (date, device, command, commit) into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from bench_kernels import graph_time, printing_log, random_layer, run_meta
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from quantkit.decode import StaticDecoder
+from quantkit.models import get_adapter
+from quantkit.nn.qlinear import QuantLinear
+
+COPY_ROOF = 4.25e12  # bytes/s, the H200's measured copy rate (issue #4)
+DECODE_SLACK = 64  # cache positions after the prompt
+# a step's logits on the kernels this far (relative Frobenius error) from the reference path's fail the run
+CHECK_TOLERANCE = 0.05
+
+
+def llama3_8b(layers: int) -> LlamaConfig:
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def quantize_randomly(model: torch.nn.Module, scheme: str, group: int) -> None:
+    """Every decoder linear replaced by a random QuantLinear of the scheme (the fp16 weights freed)."""
+    adapter = get_adapter(model)
+    for layer in adapter.get_layers(model):
+        for name in adapter.linear_names():
+            parent, leaf = name.rsplit(".", 1)
+            linear = layer.get_submodule(name)
+            quantized = random_layer(linear.in_features, linear.out_features, group, scheme,
+                                     device=linear.weight.device)
+            quantized.prepare_kernels()  # random_layer filled the buffers after the layer moved to the GPU
+            setattr(layer.get_submodule(parent), leaf, quantized)
+
+
+def step_bytes(decoder: StaticDecoder) -> int:
+    """What one decode step must read: the linears' weights (packed codes and scales), lm_head, the whole cache."""
+    total = decoder.lm_head.weight.nbytes + sum(k.nbytes + v.nbytes for k, v in decoder.cache)
+    for linear in decoder.linears():
+        if isinstance(linear, QuantLinear):
+            total += linear.qweight.nbytes + linear.scales.nbytes
+            total += 0 if linear.channel_scales is None else linear.channel_scales.nbytes
+        else:
+            total += linear.weight.nbytes
+    return total
+
+
+def check_step(decoder: StaticDecoder, prompt: int, vocab: int) -> dict:
+    """Logits of one decode step on the kernels and on the reference path, from the same prefilled cache."""
+    device = decoder.embed.weight.device
+    decoder.new_cache(1)
+    ids = torch.randint(0, vocab, (1, prompt + 1), device=device)
+    decoder(ids[:, :prompt], torch.arange(prompt, device=device), last_only=True)
+    position = torch.tensor([prompt], device=device)
+    on_kernels = decoder(ids[:, prompt:], position).float()
+    quantized = [linear for linear in decoder.linears() if isinstance(linear, QuantLinear)]
+    for linear in quantized:
+        linear.cache_dense_weight()
+    reference = decoder(ids[:, prompt:], position).float()
+    for linear in quantized:
+        linear.cache_dense_weight(False)
+    err = ((on_kernels - reference).norm() / reference.norm()).item()
+    return dict(rel_err=err, same_top_token=bool(on_kernels.argmax() == reference.argmax()))
+
+
+def time_scheme(decoder: StaticDecoder, batches: list[int], prompt: int, vocab: int, log) -> dict:
+    rows = {}
+    for batch in batches:
+        decoder.new_cache(batch)
+        ids = torch.randint(0, vocab, (batch, 1), device="cuda")
+        position = torch.tensor([prompt], device="cuda")
+        t0 = time.time()
+        seconds = graph_time([lambda ids=ids, position=position: decoder(ids, position)], reps=30)
+        moved = step_bytes(decoder)
+        rows[f"decode_b{batch}"] = dict(ms=seconds * 1e3, tokens_per_s=batch / seconds, GBps=moved / seconds / 1e9,
+                                        roof_fraction=moved / seconds / COPY_ROOF, step_bytes=moved)
+        log(f"  decode batch {batch}: {seconds * 1e3:.3f} ms/step, {batch / seconds:.0f} tokens/s, "
+            f"{moved / seconds / 1e9:.0f} GB/s ({moved / seconds / COPY_ROOF:.0%} of the copy roof) "
+            f"[{time.time() - t0:.0f}s]")
+    decoder.new_cache(1)
+    ids = torch.randint(0, vocab, (1, prompt), device="cuda")
+    positions = torch.arange(prompt, device="cuda")
+    t0 = time.time()
+    seconds = graph_time([lambda: decoder(ids, positions, last_only=True)], reps=10)
+    rows[f"prefill_{prompt}"] = dict(ms=seconds * 1e3, tokens_per_s=prompt / seconds)
+    log(f"  prefill {prompt}: {seconds * 1e3:.2f} ms, {prompt / seconds:.0f} tokens/s [{time.time() - t0:.0f}s]")
+    return rows
+
+
+def markdown(meta: dict, results: dict) -> str:
+    lines = [f"# End to end, Llama-3-8B shapes ({meta['layers']} layers), {meta['device']}", "",
+             f"- date: {meta['date']}", f"- command: `{meta['command']}`", f"- git commit: {meta['commit']}",
+             f"- torch {meta['torch']}, triton {meta['triton']}", "",
+             "| scheme | cell | ms | tokens/s | speedup over fp16 | GB/s read (share of 4.25 TB/s) |", "|---|---|---|---|---|---|"]
+    for scheme, rows in results.items():
+        for cell, row in rows.items():
+            if not cell.startswith(("decode", "prefill")):
+                continue
+            speedup = results["fp16"][cell]["ms"] / row["ms"] if cell in results.get("fp16", {}) else float("nan")
+            read = f"{row['GBps']:.0f} ({row['roof_fraction']:.0%})" if "GBps" in row else ""
+            lines.append(f"| {scheme} | {cell} | {row['ms']:.3f} | {row['tokens_per_s']:.0f} | {speedup:.2f}x | {read} |")
+    checks = {scheme: rows["check"] for scheme, rows in results.items() if "check" in rows}
+    lines += ["", "Kernels against the reference path (one decode step's logits): "
+              + "; ".join(f"{s} rel. err {c['rel_err']:.1e}, same top token {c['same_top_token']}"
+                          for s, c in checks.items())]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--schemes", nargs="+", default=["w4a16", "w4a8"], choices=["w4a16", "w4a8"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--group", type=int, default=128)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = printing_log(args.out / "log_e2e.txt")
+    meta = run_meta(layers=args.layers, prompt=args.prompt, group=args.group)
+    torch.manual_seed(0)
+    config = llama3_8b(args.layers)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float16).eval()
+    results, failures = {}, 0
+    for scheme in ["fp16", *args.schemes]:
+        t0 = time.time()
+        if scheme != "fp16":
+            quantize_randomly(model, scheme, args.group)
+        decoder = StaticDecoder(model, batch_size=1, max_len=args.prompt + DECODE_SLACK)
+        log(f"{scheme} [{time.time() - t0:.0f}s to build]")
+        results[scheme] = time_scheme(decoder, args.batches, args.prompt, config.vocab_size, log)
+        if scheme != "fp16":
+            check = results[scheme]["check"] = check_step(decoder, args.prompt, config.vocab_size)
+            failures += not check["rel_err"] < CHECK_TOLERANCE
+            log(f"  check: rel. err {check['rel_err']:.2e}, same top token {check['same_top_token']}")
+        del decoder
+        torch.cuda.empty_cache()  # the fp16 weights quantize_randomly dropped, the fused copies
+        (args.out / "e2e.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    (args.out / "e2e.md").write_text(markdown(meta, results))
+    return int(failures > 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""quantkit.decode: the static-cache decoder that times models end to end computes what transformers computes."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_adapters import tiny_model
+from torch import nn
+
+from quantkit.config import QuantConfig
+from quantkit.data import CalibrationSet
+from quantkit.decode import StaticDecoder, fuse_linears
+from quantkit.engine import quantize_model
+from quantkit.models import get_adapter
+from quantkit.nn.qlinear import QuantLinear
+
+PROMPT, STEPS = 7, 4
+
+
+def random_ids(batch: int, tokens: int) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, tokens), generator=torch.Generator().manual_seed(1))
+
+
+def check_against_transformers(model: nn.Module, atol: float = 1e-4) -> None:
+    """Prefill logits at every position, then one decode step at a time, against transformers' forward over the
+    whole sequence (no cache), fp32."""
+    ids = random_ids(2, PROMPT + STEPS)
+    with torch.no_grad():
+        expected = model(ids).logits
+    decoder = StaticDecoder(model, batch_size=2, max_len=16)
+    logits = decoder(ids[:, :PROMPT], torch.arange(PROMPT))
+    torch.testing.assert_close(logits, expected[:, :PROMPT], atol=atol, rtol=0)
+    for position in range(PROMPT, PROMPT + STEPS):
+        step = decoder(ids[:, position:position + 1], torch.tensor([position]))
+        torch.testing.assert_close(step[:, 0], expected[:, position], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
+def test_decoder_logits_match_transformers(kind: str) -> None:
+    """GQA (4 query heads on 2 kv heads), Qwen2's q/k/v bias, Qwen3's q/k norms."""
+    check_against_transformers(tiny_model(kind))
+
+
+@pytest.mark.parametrize("act_bits,group", [(16, 32), (8, -1)])
+def test_decoder_on_quantized_layers_matches_transformers(act_bits: int, group: int) -> None:
+    """RTN W4A16 g32 and W4A8 per channel: the fused q/k/v and gate/up QuantLinears compute the separate layers'
+    function (W4A8: one per-token int8 rounding of the shared input, as each layer's own)."""
+    model = tiny_model("qwen2")  # q/k/v biases: the fused layer carries them
+    calib = CalibrationSet(random_ids(4, 16), torch.ones(4, 16, dtype=torch.long))
+    config = QuantConfig(method="rtn", group_size=group, act_bits=act_bits)
+    quantize_model(model, get_adapter(model), calib, config, device="cpu", show_progress=False)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    check_against_transformers(model)
+
+
+def test_greedy_generation_matches_transformers() -> None:
+    model = tiny_model("llama")
+    ids = random_ids(2, PROMPT)
+    expected = model.generate(ids, max_new_tokens=5, do_sample=False, min_new_tokens=5)[:, PROMPT:]
+    tokens = StaticDecoder(model, batch_size=2, max_len=PROMPT + 5).generate(ids, 5)
+    assert torch.equal(tokens, expected)
+
+
+def test_fused_quantlinear_outputs_are_the_sources_side_by_side() -> None:
+    torch.manual_seed(0)
+    layers = []
+    for out, bias in ((24, True), (8, False)):
+        layer = QuantLinear(64, out, 4, 32, bias, act_bits=8, two_level=True, dtype=torch.float32)
+        layer.qweight.copy_(torch.randint(-2**31, 2**31 - 1, layer.qweight.shape, dtype=torch.int32))
+        layer.scales.copy_(torch.randint(1, 17, layer.scales.shape))
+        layer.zeros.fill_(8)
+        layer.channel_scales.copy_(torch.rand(out) / 100)
+        if bias:
+            layer.bias.copy_(torch.randn(out))
+        layers.append(layer)
+    fused = fuse_linears(layers)
+    x = torch.randn(3, 64)
+    assert torch.equal(fused.dequantized_weight(), torch.cat([layer.dequantized_weight() for layer in layers]))
+    torch.testing.assert_close(fused(x), torch.cat([layer(x) for layer in layers], dim=-1), atol=1e-5, rtol=1e-5)
+    assert torch.equal(fused.bias[24:], torch.zeros(8))
+
+
+def test_fusing_mismatched_layers_fails_clearly() -> None:
+    a, b = QuantLinear(64, 8, 4, 32, False), QuantLinear(64, 8, 4, 64, False)
+    with pytest.raises(ValueError, match="group_size 32 and 64"):
+        fuse_linears([a, b])
+    with pytest.raises(ValueError, match="all nn.Linear or all QuantLinear"):
+        fuse_linears([a, nn.Linear(64, 8)])
+
+
+def test_unsupported_models_and_caches_fail_clearly() -> None:
+    with pytest.raises(ValueError, match="not 'gemma3_text'"):
+        StaticDecoder(tiny_model("gemma3"), 1, 16)
+    mistral = tiny_model("mistral")
+    mistral.config.sliding_window = 8
+    with pytest.raises(ValueError, match="sliding window 8"):
+        StaticDecoder(copy.deepcopy(mistral), 1, 16)
+    decoder = StaticDecoder(tiny_model("llama"), batch_size=1, max_len=8)
+    with pytest.raises(ValueError, match="do not fit the cache of 1 x 8"):
+        decoder.generate(random_ids(1, 6), 3)
+
+
+def test_the_end_to_end_benchmark_runs_its_pieces_on_cpu() -> None:
+    """benchmarks/bench_e2e.py on a tiny model (its graph timing needs CUDA): random QuantLinears in place of every
+    decoder linear, the kernels-vs-reference check (both paths are the reference on CPU: no error), a step's bytes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_e2e
+    finally:
+        sys.path.pop(0)
+    model = tiny_model("llama")
+    bench_e2e.quantize_randomly(model, "w4a8", 32)
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, QuantLinear) and layer.mlp.down_proj.channel_scales is not None
+    decoder = StaticDecoder(model, batch_size=2, max_len=16)
+    assert bench_e2e.check_step(decoder, 6, 128) == dict(rel_err=0.0, same_top_token=True)
+    # per layer: codes (in x out / 2 bytes), fp16 group scales, fp32 channel scales; then lm_head and the cache
+    linears = 64 * (64 + 2 * 32) + 64 * 64 + 2 * 64 * 128 + 128 * 64
+    outputs = 64 + 2 * 32 + 64 + 2 * 128 + 64
+    per_layer = linears // 2 + 2 * sum(n * k // 32 for n, k in [(128, 64), (64, 64), (256, 64), (64, 128)]) + 4 * outputs
+    cache = 2 * 2 * 1 * 2 * 16 * 16 * 4  # layers, k and v, batch (check_step's), kv heads, positions, head dim, fp32
+    assert bench_e2e.step_bytes(decoder) == 2 * per_layer + 128 * 64 * 4 + cache
