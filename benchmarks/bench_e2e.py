@@ -27,10 +27,11 @@ import time
 from pathlib import Path
 
 import torch
-from bench_kernels import graph_time, printing_log, random_layer, run_meta
+from bench_kernels import printing_log, random_layer, run_meta
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from quantkit.decode import StaticDecoder
+from quantkit.eval.speed import median_seconds
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear
 
@@ -96,7 +97,7 @@ def time_scheme(decoder: StaticDecoder, batches: list[int], prompt: int, vocab: 
         ids = torch.randint(0, vocab, (batch, 1), device="cuda")
         position = torch.tensor([prompt], device="cuda")
         t0 = time.time()
-        seconds = graph_time([lambda ids=ids, position=position: decoder(ids, position)], reps=30)
+        seconds = median_seconds(lambda ids=ids, position=position: decoder(ids, position), ids.device)
         moved = step_bytes(decoder)
         rows[f"decode_b{batch}"] = dict(ms=seconds * 1e3, tokens_per_s=batch / seconds, GBps=moved / seconds / 1e9,
                                         roof_fraction=moved / seconds / COPY_ROOF, step_bytes=moved)
@@ -107,7 +108,7 @@ def time_scheme(decoder: StaticDecoder, batches: list[int], prompt: int, vocab: 
     ids = torch.randint(0, vocab, (1, prompt), device="cuda")
     positions = torch.arange(prompt, device="cuda")
     t0 = time.time()
-    seconds = graph_time([lambda: decoder(ids, positions, last_only=True)], reps=10)
+    seconds = median_seconds(lambda: decoder(ids, positions, last_only=True), ids.device, reps=10)
     rows[f"prefill_{prompt}"] = dict(ms=seconds * 1e3, tokens_per_s=prompt / seconds)
     log(f"  prefill {prompt}: {seconds * 1e3:.2f} ms, {prompt / seconds:.0f} tokens/s [{time.time() - t0:.0f}s]")
     return rows

@@ -193,6 +193,8 @@ def evaluate_cmd(
     generations: Annotated[bool, typer.Option("--generations", help="side-by-side greedy answers")] = False,
     speculative: Annotated[bool, typer.Option("--speculative", help="each model after the first as a speculative-decoding draft for the first")] = False,
     draft_tokens: Annotated[str, typer.Option(help="with --speculative: comma-separated draft lengths")] = "1,2,4,8",
+    speed: Annotated[bool, typer.Option("--speed", help="time decode steps and a prefill (CUDA graphs on a GPU)")] = False,
+    speed_batches: Annotated[str, typer.Option(help="with --speed: comma-separated decode batch sizes")] = "1",
     report: Annotated[Path | None, typer.Option("--report", help="folder for JSON, Markdown and plots")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write all metrics as JSON")] = None,
     seqlen: Annotated[int, typer.Option(help="perplexity window")] = 512,
@@ -209,10 +211,14 @@ def evaluate_cmd(
     _setup_logging(verbose)
     try:
         lengths = [int(k) for k in draft_tokens.split(",") if k.strip()] if speculative else None
+        batches = [int(b) for b in speed_batches.split(",") if b.strip()] if speed else None
+        if batches is not None and (not batches or min(batches) < 1):
+            raise ValueError(f"--speed-batches {speed_batches!r}: give batch sizes >= 1")
         run_eval(models, texts=text, tasks=[t for t in tasks.split(",") if t], limit=limit,
                  num_fewshot=num_fewshot, generations=generations, report_dir=report, json_path=json_path,
                  batch_size=batch_size, device=device, backend=backend, seqlen=seqlen, console=Console(),
-                 max_windows=max_windows, max_new_tokens=max_new_tokens, draft_tokens=lengths)
+                 max_windows=max_windows, max_new_tokens=max_new_tokens, draft_tokens=lengths,
+                 speed_batches=batches)
     except (QuantizationError, FileNotFoundError, ValueError) as err:
         _fail(err)
 

@@ -34,19 +34,29 @@ DECODER_ARCHS = {"llama": DecoderArch(), "mistral": DecoderArch(), "qwen2": Deco
 
 
 def fuse_linears(linears: list[nn.Module]) -> nn.Module:
-    """One linear whose output is the given linears' outputs side by side (q/k/v, gate/up)."""
+    """One linear whose output is the given linears' outputs side by side (q/k/v, gate/up). nn.Linear sources keep
+    their parameters as views of the fused ones (fusing a 16-bit model costs no memory)."""
     if all(isinstance(linear, QuantLinear) for linear in linears):
         return QuantLinear.concatenated(linears)
     if not all(type(linear) is nn.Linear for linear in linears):
         raise ValueError(f"cannot fuse {sorted({type(linear).__name__ for linear in linears})}: all nn.Linear or "
                          "all QuantLinear")
-    weight = torch.cat([linear.weight for linear in linears])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=any(linear.bias is not None for linear in linears),
-                      device=weight.device, dtype=weight.dtype)
-    fused.weight.data = weight
-    if fused.bias is not None:
-        fused.bias.data = torch.cat([linear.bias if linear.bias is not None else weight.new_zeros(linear.out_features)
-                                     for linear in linears])
+    with torch.no_grad():
+        weight = torch.cat([linear.weight for linear in linears])
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=any(linear.bias is not None for linear in linears),
+                          device="meta")
+        fused.weight = nn.Parameter(weight, requires_grad=False)
+        if fused.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([linear.bias if linear.bias is not None else
+                                                 weight.new_zeros(linear.out_features) for linear in linears]),
+                                      requires_grad=False)
+        start = 0
+        for linear in linears:
+            rows = slice(start, start + linear.out_features)
+            linear.weight.data = fused.weight.data[rows]
+            if linear.bias is not None:
+                linear.bias.data = fused.bias.data[rows]
+            start = rows.stop
     return fused
 
 

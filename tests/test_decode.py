@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 from test_adapters import tiny_model
 from torch import nn
 
@@ -15,6 +16,8 @@ from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.decode import StaticDecoder, fuse_linears
 from quantkit.engine import quantize_model
+from quantkit.eval.report import speed_rows
+from quantkit.eval.runner import run_eval
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear
 
@@ -124,3 +127,31 @@ def test_the_end_to_end_benchmark_runs_its_pieces_on_cpu() -> None:
     per_layer = linears // 2 + 2 * sum(n * k // 32 for n, k in [(128, 64), (64, 64), (256, 64), (64, 128)]) + 4 * outputs
     cache = 2 * 2 * 1 * 2 * 16 * 16 * 4  # layers, k and v, batch (check_step's), kv heads, positions, head dim, fp32
     assert bench_e2e.step_bytes(decoder) == 2 * per_layer + 128 * 64 * 4 + cache
+
+
+def test_fusing_16_bit_linears_shares_their_memory() -> None:
+    linears = [nn.Linear(16, 8, bias=False), nn.Linear(16, 4, bias=True)]
+    x = torch.randn(3, 16)
+    expected = torch.cat([linear(x) for linear in linears], dim=-1)
+    fused = fuse_linears(linears)
+    torch.testing.assert_close(fused(x), expected, atol=0, rtol=0)
+    assert linears[1].weight.data_ptr() == fused.weight.data_ptr() + 8 * 16 * 4  # a view: no copy left behind
+    torch.testing.assert_close(torch.cat([linear(x) for linear in linears], dim=-1), expected, atol=0, rtol=0)
+
+
+def test_eval_speed_times_each_model_and_reports_speedups(tmp_path) -> None:
+    """`quantkit eval --speed` (run_eval's speed_batches): decode steps at each batch size and a prefill per model
+    (wall clock on CPU), the speedup over the first model, and a clear note for a model StaticDecoder cannot run."""
+    models = {"base": tiny_model("llama"), "w4": tiny_model("llama"), "gemma": tiny_model("gemma3")}
+    results = run_eval(list(models), texts=[], tasks=[], limit=None, num_fewshot=None, generations=False,
+                       report_dir=tmp_path, json_path=None, batch_size=1, device="cpu", console=Console(quiet=True),
+                       loader=lambda name: (models[name], None, name), speed_batches=[1, 2])
+    base, w4, gemma = (m["speed"] for m in results["models"])
+    assert set(base) == {"device", "decode_b1", "decode_b2", "prefill_512"} and base["device"] == "cpu"
+    assert all(base[cell]["ms"] > 0 for cell in ("decode_b1", "decode_b2", "prefill_512"))
+    assert base["decode_b2"]["tokens_per_s"] == pytest.approx(2e3 / base["decode_b2"]["ms"])
+    assert "not 'gemma3_text'" in gemma["skipped"]
+    rows = {row[0]: row for row in speed_rows(results)}
+    assert rows["decode_b1"][3] == "n/a" and rows["decode_b1"][4] == f"{base['decode_b1']['ms'] / w4['decode_b1']['ms']:.2f}x"
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "## Speed" in markdown and "Not timed: gemma: StaticDecoder runs" in markdown

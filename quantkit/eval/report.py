@@ -3,7 +3,8 @@
 `results` is what `run_eval` returns: {"date", "config", "prompts", "models": [{"label", "model",
 "tasks": {task: {"metrics": {metric: {"value", "stderr"}}, "n", "num_fewshot", "primary_metric",
 "seconds"}}, "perplexity": {text: {"ppl", ...}}, "generations": [str, ...], and for every model after the first
-when speculative decoding was measured "speculative": quantkit.eval.speculative.acceptance's dict}, ...]}.
+when speculative decoding was measured "speculative": quantkit.eval.speculative.acceptance's dict, and when timed
+"speed": quantkit.eval.speed.measure_speed's dict}, ...]}.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import math
 from pathlib import Path
 
 from rich.table import Table
+
+from quantkit.eval import speed
 
 PPL_KEY = "ppl"
 
@@ -74,6 +77,43 @@ def speculative_rows(results: dict) -> list[list[str]]:
         rows.append([model["label"], str(found["tokens"]), f"{100 * found['greedy_match']:.1f}%",
                      f"{100 * found['alpha_t1']:.1f}%", *per_pass])
     return rows
+
+
+def speed_summary(measured: dict) -> str:
+    """One line: tokens/s of each timed cell, or why none was timed."""
+    if "skipped" in measured:
+        return f"not timed ({measured['skipped']})"
+    return ", ".join(f"{cell} {entry['tokens_per_s']:.0f} tokens/s" for cell, entry in measured.items()
+                     if isinstance(entry, dict))
+
+
+def speed_headers(results: dict) -> list[str]:
+    return ["step", *_labels(results), *[f"speedup {label}" for label in _labels(results)[1:]]]
+
+
+def speed_rows(results: dict) -> list[list[str]]:
+    """Per timed step (decode at each batch size, prefill): ms and tokens/s per model, then each later model's
+    speedup over the first ("n/a" where a model was not timed)."""
+    measured = [m["speed"] for m in results["models"]]
+    cells = list(dict.fromkeys(c for m in measured for c, e in m.items() if isinstance(e, dict)))
+    rows = []
+    for cell in cells:
+        found = [m.get(cell) for m in measured]
+        values = [f"{e['ms']:.2f} ms, {e['tokens_per_s']:.0f} tok/s" if e else "n/a" for e in found]
+        speedups = [f"{found[0]['ms'] / e['ms']:.2f}x" if e and found[0] else "n/a" for e in found[1:]]
+        rows.append([cell, *values, *speedups])
+    return rows
+
+
+def speed_table(results: dict) -> Table:
+    devices = sorted({m["speed"].get("device", "") for m in results["models"]} - {""})
+    table = Table(title=f"Speed ({', '.join(devices) or 'not timed'}): static-cache steps, "
+                        "CUDA-graph replays on a GPU")
+    for header in speed_headers(results):
+        table.add_column(header, justify="left" if header == "step" else "right")
+    for row in speed_rows(results):
+        table.add_row(*row)
+    return table
 
 
 def _labels(results: dict) -> list[str]:
@@ -167,6 +207,19 @@ def markdown_report(results: dict, plots: list[str]) -> str:
             "(1 - alpha^(k+1)) / (1 - alpha)).",
             "",
             *_markdown_table(speculative_headers(results), speculative_rows(results)),
+        ]
+    if config.get("speed_batches") is not None:
+        skipped = [f"{m['label']}: {m['speed']['skipped']}" for m in results["models"] if "skipped" in m["speed"]]
+        lines += [
+            "## Speed",
+            "",
+            "quantkit.decode.StaticDecoder's steps (q/k/v and gate/up fused, a static KV cache of "
+            f"{speed.PROMPT_TOKENS} + 1 positions, attention over all of it): one decode step of B tokens "
+            f"(decode_bB) and the prefill of one {speed.PROMPT_TOKENS}-token prompt, median of CUDA-graph replays on a "
+            "GPU (wall clock on a CPU).",
+            "",
+            *_markdown_table(speed_headers(results), speed_rows(results)),
+            *[f"Not timed: {line}\n" for line in skipped],
         ]
     if results["models"][0]["generations"]:
         lines += ["## Generations", ""]

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from quantkit import __version__
-from quantkit.eval import lm_eval_backend, native, report, speculative
+from quantkit.eval import lm_eval_backend, native, report, speculative, speed
 from quantkit.eval.generation import generate
 from quantkit.eval.tasks import Task, build_prompts, get_task
 
@@ -99,6 +99,7 @@ def run_eval(
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     max_windows: int | None = None,
     draft_tokens: list[int] | None = None,
+    speed_batches: list[int] | None = None,
 ) -> dict:
     """Evaluate each model (the first is the baseline for deltas) and write the requested outputs.
 
@@ -106,6 +107,8 @@ def run_eval(
     text, [] = no perplexity. prompts: for generations and speculative decoding; None =
     calib_data/eval_prompts.json. draft_tokens: draft lengths at which every model after the first is
     measured as a speculative-decoding draft for the first (quantkit.eval.speculative); None = not measured.
+    speed_batches: batch sizes at which each model's decode step (and its prefill) is timed
+    (quantkit.eval.speed); None = not timed.
     """
     console = console or Console()
     if not models:
@@ -142,6 +145,7 @@ def run_eval(
             "generations": generations,
             "max_new_tokens": max_new_tokens,
             "draft_tokens": draft_tokens,
+            "speed_batches": speed_batches,
             "versions": _versions(),
         },
         "prompts": prompt_list,
@@ -158,6 +162,8 @@ def run_eval(
     console.print(report.summary_table(results))
     if draft_tokens is not None:
         console.print(report.speculative_table(results))
+    if speed_batches is not None:
+        console.print(report.speed_table(results))
     if generations:
         console.print(report.generations_table(results))
     if report_dir is not None:
@@ -199,6 +205,9 @@ def _evaluate_model(
             console.print(f"  speculative draft: greedy match {100 * entry['speculative']['greedy_match']:.1f}%, "
                           f"alpha (T=1) {100 * entry['speculative']['alpha_t1']:.1f}% "
                           f"({time.perf_counter() - start:.1f} s)")
+    if config["speed_batches"] is not None:  # last: its decoder fuses the model's q/k/v and gate/up
+        entry["speed"] = speed.measure_speed(model, tuple(config["speed_batches"]))
+        console.print(f"  speed: {report.speed_summary(entry['speed'])}")
     del model
     gc.collect()
     if torch.cuda.is_available():

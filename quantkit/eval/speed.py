@@ -1,0 +1,70 @@
+"""Decode and prefill speed of a model as a serving engine runs it: quantkit.decode.StaticDecoder's fixed-shape steps
+(q/k/v and gate/up fused, static KV cache), replayed from a CUDA graph on a GPU, so that Python's launch overhead
+is not counted as the model's time (eager, wall-clock, on a CPU)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from quantkit.decode import StaticDecoder
+
+PROMPT_TOKENS = 512
+REPS = 30
+
+
+def median_seconds(step: Callable[[], object], device: torch.device, reps: int = REPS) -> float:
+    """Median seconds of one step() after two warm-up calls (kernel tuning, library handles: never in a capture);
+    on CUDA each timed call is a replay of one captured step()."""
+    step()
+    step()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        del graph
+    else:
+        for _ in range(reps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_speed(model: nn.Module, batch_sizes: tuple[int, ...] = (1,), prompt: int = PROMPT_TOKENS,
+                  reps: int = REPS) -> dict:
+    """{"decode_b{B}": {"ms", "tokens_per_s"} per batch size (one step of B tokens after a prompt of `prompt`),
+    "prefill_{prompt}": {"ms", "tokens_per_s"} (one sequence), "device"}, or {"skipped": why} for a model
+    StaticDecoder does not run. Random token ids: the speed does not depend on them."""
+    device = model.get_input_embeddings().weight.device
+    try:
+        decoder = StaticDecoder(model, batch_sizes[0], prompt + 1)
+    except ValueError as err:
+        return {"skipped": str(err)}
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    position = torch.tensor([prompt], device=device)
+    for batch in batch_sizes:
+        decoder.new_cache(batch)
+        ids = torch.randint(0, vocab, (batch, 1), generator=generator).to(device)
+        seconds = median_seconds(lambda ids=ids: decoder(ids, position), device, reps)
+        result[f"decode_b{batch}"] = {"ms": 1e3 * seconds, "tokens_per_s": batch / seconds}
+    decoder.new_cache(1)
+    ids = torch.randint(0, vocab, (1, prompt), generator=generator).to(device)
+    positions = torch.arange(prompt, device=device)
+    seconds = median_seconds(lambda: decoder(ids, positions, last_only=True), device, max(3, reps // 5))
+    result[f"prefill_{prompt}"] = {"ms": 1e3 * seconds, "tokens_per_s": prompt / seconds}
+    return result
