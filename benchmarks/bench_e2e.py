@@ -39,6 +39,7 @@ COPY_ROOF = 4.25e12  # bytes/s, the H200's measured copy rate (issue #4)
 DECODE_SLACK = 64  # cache positions after the prompt
 # a step's logits on the kernels this far (relative Frobenius error) from the reference path's fail the run
 CHECK_TOLERANCE = 0.05
+WEIGHT_STD = 0.02  # transformers' initializer_range for Llama: the fp16 model's weights
 
 
 def llama3_8b(layers: int) -> LlamaConfig:
@@ -56,6 +57,10 @@ def quantize_randomly(model: torch.nn.Module, scheme: str, group: int) -> None:
             linear = layer.get_submodule(name)
             quantized = random_layer(linear.in_features, linear.out_features, group, scheme,
                                      device=linear.weight.device)
+            # the fp16 model's weight spread (random_layer's is larger: 32 such layers overflow fp16 activations)
+            spread = WEIGHT_STD / quantized.dequantized_weight().float().std().item()
+            scales = quantized.scales if quantized.channel_scales is None else quantized.channel_scales
+            scales.mul_(spread)
             quantized.prepare_kernels()  # random_layer filled the buffers after the layer moved to the GPU
             setattr(layer.get_submodule(parent), leaf, quantized)
 

@@ -119,6 +119,7 @@ def test_the_end_to_end_benchmark_runs_its_pieces_on_cpu() -> None:
     bench_e2e.quantize_randomly(model, "w4a8", 32)
     layer = model.model.layers[0]
     assert isinstance(layer.mlp.down_proj, QuantLinear) and layer.mlp.down_proj.channel_scales is not None
+    assert layer.mlp.down_proj.dequantized_weight().float().std().item() == pytest.approx(0.02, rel=1e-2)
     decoder = StaticDecoder(model, batch_size=2, max_len=16)
     assert bench_e2e.check_step(decoder, 6, 128) == dict(rel_err=0.0, same_top_token=True)
     # per layer: codes (in x out / 2 bytes), fp16 group scales, fp32 channel scales; then lm_head and the cache
