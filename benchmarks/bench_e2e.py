@@ -9,7 +9,8 @@ decoder linear; embeddings and lm_head stay fp16 in all. quantkit.decode.StaticD
 gate/up fused, as serving engines fuse them; a static KV cache of prompt + 64 positions).
 - decode: one step of `batch` tokens at position `prompt`, captured in a CUDA graph and replayed (median ms per
   step), tokens/s, and the bytes a step must read (linear weights and scales, lm_head, the whole cache) per second
-  against the H200's 4.25 TB/s copy roof;
+  against the H200's 4.25 TB/s copy roof; for --compiled-batches also through torch.compile (fullgraph), whose
+  fused elementwise kernels replace the ~10 small launches per layer around the linears;
 - prefill: `prompt` tokens of one sequence, graph-replayed the same way (lm_head on the last token only);
 - check: one decode step's logits on the kernels against the same layers' reference path (dequantized weights,
   F.linear) from the same cache, after a prefill on the kernels: relative error and whether the top token agrees.
@@ -95,20 +96,30 @@ def check_step(decoder: StaticDecoder, prompt: int, vocab: int) -> dict:
     return dict(rel_err=err, same_top_token=bool(on_kernels.argmax() == reference.argmax()))
 
 
-def time_scheme(decoder: StaticDecoder, batches: list[int], prompt: int, vocab: int, log) -> dict:
-    rows = {}
-    for batch in batches:
-        decoder.new_cache(batch)
-        ids = torch.randint(0, vocab, (batch, 1), device="cuda")
-        position = torch.tensor([prompt], device="cuda")
-        t0 = time.time()
-        seconds = median_seconds(lambda ids=ids, position=position: decoder(ids, position), ids.device)
-        moved = step_bytes(decoder)
-        rows[f"decode_b{batch}"] = dict(ms=seconds * 1e3, tokens_per_s=batch / seconds, GBps=moved / seconds / 1e9,
-                                        roof_fraction=moved / seconds / COPY_ROOF, step_bytes=moved)
-        log(f"  decode batch {batch}: {seconds * 1e3:.3f} ms/step, {batch / seconds:.0f} tokens/s, "
-            f"{moved / seconds / 1e9:.0f} GB/s ({moved / seconds / COPY_ROOF:.0%} of the copy roof) "
-            f"[{time.time() - t0:.0f}s]")
+def time_decode(step, decoder: StaticDecoder, batch: int, prompt: int, vocab: int, label: str, log) -> dict:
+    """One decode step of `batch` tokens through step (the decoder or its compiled form), graph-replayed."""
+    decoder.new_cache(batch)
+    ids = torch.randint(0, vocab, (batch, 1), device="cuda")
+    position = torch.tensor([prompt], device="cuda")
+    t0 = time.time()
+    seconds = median_seconds(lambda: step(ids, position), ids.device)
+    moved = step_bytes(decoder)
+    log(f"  {label}: {seconds * 1e3:.3f} ms/step, {batch / seconds:.0f} tokens/s, {moved / seconds / 1e9:.0f} GB/s "
+        f"({moved / seconds / COPY_ROOF:.0%} of the copy roof) [{time.time() - t0:.0f}s]")
+    return dict(ms=seconds * 1e3, tokens_per_s=batch / seconds, GBps=moved / seconds / 1e9,
+                roof_fraction=moved / seconds / COPY_ROOF, step_bytes=moved)
+
+
+def time_scheme(decoder: StaticDecoder, batches: list[int], compiled_batches: list[int], prompt: int, vocab: int,
+                log) -> dict:
+    """Decode steps at each batch size, the same compiled (torch.compile fuses the norms, rotary and residual adds
+    around the linears, gpt-fast's way; the quantized linears stay opaque custom ops), and the prefill."""
+    rows = {f"decode_b{batch}": time_decode(decoder, decoder, batch, prompt, vocab, f"decode batch {batch}", log)
+            for batch in batches}
+    for batch in compiled_batches:
+        step = torch.compile(decoder.__call__, fullgraph=True, dynamic=False)
+        rows[f"decode_b{batch}_compiled"] = time_decode(step, decoder, batch, prompt, vocab,
+                                                        f"decode batch {batch}, compiled", log)
     decoder.new_cache(1)
     ids = torch.randint(0, vocab, (1, prompt), device="cuda")
     positions = torch.arange(prompt, device="cuda")
@@ -143,6 +154,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--schemes", nargs="+", default=["w4a16", "w4a8"], choices=["w4a16", "w4a8"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--compiled-batches", type=int, nargs="*", default=[1],
+                        help="decode batch sizes also timed through torch.compile (compiles once per scheme each)")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--group", type=int, default=128)
@@ -161,7 +174,8 @@ def main() -> int:
             quantize_randomly(model, scheme, args.group)
         decoder = StaticDecoder(model, batch_size=1, max_len=args.prompt + DECODE_SLACK)
         log(f"{scheme} [{time.time() - t0:.0f}s to build]")
-        results[scheme] = time_scheme(decoder, args.batches, args.prompt, config.vocab_size, log)
+        results[scheme] = time_scheme(decoder, args.batches, args.compiled_batches, args.prompt, config.vocab_size,
+                                      log)
         if scheme != "fp16":
             check = results[scheme]["check"] = check_step(decoder, args.prompt, config.vocab_size)
             failures += not check["rel_err"] < CHECK_TOLERANCE

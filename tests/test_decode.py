@@ -156,3 +156,18 @@ def test_eval_speed_times_each_model_and_reports_speedups(tmp_path) -> None:
     assert rows["decode_b1"][3] == "n/a" and rows["decode_b1"][4] == f"{base['decode_b1']['ms'] / w4['decode_b1']['ms']:.2f}x"
     markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "## Speed" in markdown and "Not timed: gemma: StaticDecoder runs" in markdown
+
+
+def test_a_decode_step_traces_as_one_graph() -> None:
+    """bench_e2e.py times decode steps through torch.compile(fullgraph=True): Dynamo must trace a whole step
+    (quantized layers included) without a graph break; backend "eager" runs the traced graph as it is."""
+    model = tiny_model("qwen3")
+    calib = CalibrationSet(random_ids(2, 16), torch.ones(2, 16, dtype=torch.long))
+    quantize_model(model, get_adapter(model), calib, QuantConfig(method="rtn", group_size=32, act_bits=8),
+                   device="cpu", show_progress=False)
+    decoder = StaticDecoder(model, batch_size=2, max_len=16)
+    ids = random_ids(2, 5)
+    expected = decoder(ids, torch.arange(5))
+    decoder.new_cache(2)
+    step = torch.compile(decoder.__call__, fullgraph=True, backend="eager")
+    torch.testing.assert_close(step(ids, torch.arange(5)), expected, atol=1e-5, rtol=1e-5)
