@@ -118,8 +118,11 @@ def time_scheme(decoder: StaticDecoder, batches: list[int], compiled_batches: li
             for batch in batches}
     for batch in compiled_batches:
         step = torch.compile(decoder.__call__, fullgraph=True, dynamic=False)
-        rows[f"decode_b{batch}_compiled"] = time_decode(step, decoder, batch, prompt, vocab,
-                                                        f"decode batch {batch}, compiled", log)
+        try:
+            rows[f"decode_b{batch}_compiled"] = time_decode(step, decoder, batch, prompt, vocab,
+                                                            f"decode batch {batch}, compiled", log)
+        except Exception as err:  # a compiler failure costs this row, not the run's other rows
+            log(f"  decode batch {batch}, compiled: FAILED {type(err).__name__}: {str(err)[:2000]}")
     decoder.new_cache(1)
     ids = torch.randint(0, vocab, (1, prompt), device="cuda")
     positions = torch.arange(prompt, device="cuda")
