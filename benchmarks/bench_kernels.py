@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from quantkit.kernels import make_kernel_forward, swap_block, swap_weight_for
 from quantkit.kernels.autotune import GEMV_KERNELS, SWAP_LAYOUT_KERNELS, fits_swap_block
 
+from quantkit.eval.speed import replay_seconds
 from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
 
 SHAPES = {  # name: (K, N)
@@ -194,18 +195,7 @@ def graph_time(calls: list, reps: int = 20) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(calls))
-    del graph
-    return sorted(times)[len(times) // 2]
+    return replay_seconds(graph, reps) / len(calls)
 
 
 def copies_for(bytes_per_call: int) -> int:

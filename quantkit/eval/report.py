@@ -107,11 +107,16 @@ def speed_rows(results: dict) -> list[list[str]]:
 
 def speed_table(results: dict) -> Table:
     devices = sorted({m["speed"].get("device", "") for m in results["models"]} - {""})
-    table = Table(title=f"Speed ({', '.join(devices) or 'not timed'}): static-cache steps, "
-                        "CUDA-graph replays on a GPU")
-    for header in speed_headers(results):
-        table.add_column(header, justify="left" if header == "step" else "right")
-    for row in speed_rows(results):
+    return _rich_table(f"Speed ({', '.join(devices) or 'not timed'}): static-cache steps, CUDA-graph replays on a GPU",
+                       speed_headers(results), speed_rows(results))
+
+
+def _rich_table(title: str, headers: list[str], rows: list[list[str]]) -> Table:
+    """The first column (the row's name) left-aligned, the figures right-aligned."""
+    table = Table(title=title)
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i == 0 else "right")
+    for row in rows:
         table.add_row(*row)
     return table
 
@@ -137,13 +142,8 @@ def summary_table(results: dict) -> Table:
 
 
 def speculative_table(results: dict) -> Table:
-    table = Table(title=f"Speculative decoding, target {results['models'][0]['label']}: tokens per target pass "
-                        "with k drafted, greedy / T=1")
-    for header in speculative_headers(results):
-        table.add_column(header, justify="left" if header == "draft" else "right")
-    for row in speculative_rows(results):
-        table.add_row(*row)
-    return table
+    return _rich_table(f"Speculative decoding, target {results['models'][0]['label']}: tokens per target pass "
+                       "with k drafted, greedy / T=1", speculative_headers(results), speculative_rows(results))
 
 
 def generations_table(results: dict) -> Table:

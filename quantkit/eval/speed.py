@@ -16,30 +16,36 @@ PROMPT_TOKENS = 512
 REPS = 30
 
 
+def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int = REPS) -> float:
+    """Median seconds of a replay of `graph` (CUDA events around each, after one untimed replay)."""
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def median_seconds(step: Callable[[], object], device: torch.device, reps: int = REPS) -> float:
     """Median seconds of one step() after two warm-up calls (kernel tuning, library handles: never in a capture);
     on CUDA each timed call is a replay of one captured step()."""
     step()
     step()
-    times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        del graph
-    else:
-        for _ in range(reps):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
+        return replay_seconds(graph, reps)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
