@@ -86,6 +86,20 @@ def _prefill_then_step(decoder: StaticDecoder, ids: torch.Tensor) -> tuple[torch
     return prefill, decoder(ids[:, prompt:], torch.tensor([prompt], device=ids.device)).float()
 
 
+def check_layers(decoder: StaticDecoder, token_counts: tuple[int, ...]) -> dict:
+    """The first decoder layer's linears alone on random inputs: kernels against the reference path."""
+    errors = {}
+    for name, linear in zip(("qkv", "o", "gate_up", "down"), decoder.linears()[:4], strict=True):
+        if not isinstance(linear, QuantLinear):
+            continue
+        for m in token_counts:
+            x = torch.randn(m, linear.in_features, device=linear.qweight.device, dtype=linear.scales.dtype)
+            out, ref = linear(x).float(), linear.reference_forward(x).float()
+            errors[f"{name}_m{m}"] = dict(rel_err=((out - ref).norm() / ref.norm()).item(),
+                                          nonfinite=int((~out.isfinite()).sum()))
+    return errors
+
+
 def check_step(decoder: StaticDecoder, prompt: int, vocab: int) -> dict:
     """A prefill and a decode step on the kernels against the same on the layers' reference path (dequantized
     weights, F.linear), each on its own fresh cache: relative errors of the logits, non-finite logits per path."""
@@ -158,7 +172,7 @@ def markdown(meta: dict, results: dict) -> str:
             speedup = results["fp16"][cell]["ms"] / row["ms"] if cell in results.get("fp16", {}) else float("nan")
             read = f"{row['GBps']:.0f} ({row['roof_fraction']:.0%})" if "GBps" in row else ""
             lines.append(f"| {scheme} | {cell} | {row['ms']:.3f} | {row['tokens_per_s']:.0f} | {speedup:.2f}x | {read} |")
-    checks = {scheme: rows["check"] for scheme, rows in results.items() if "check" in rows}
+    checks = {scheme: rows["check"] for scheme, rows in results.items()}
     lines += ["", "Kernels against the reference path (one decode step's logits): "
               + "; ".join(f"{s} rel. err {c['rel_err']:.1e} (prefill {c['prefill_rel_err']:.1e}), same top token "
                           f"{c['same_top_token']}, non-finite logits {c['nonfinite_kernels']} / "
@@ -196,6 +210,8 @@ def main() -> int:
         check = results[scheme]["check"] = check_step(decoder, args.prompt, config.vocab_size)
         failures += not check["rel_err"] < CHECK_TOLERANCE
         log(f"  check: {check}")
+        layers = results[scheme]["check_layers"] = check_layers(decoder, (*args.batches, args.prompt))
+        log(f"  layers: {layers}")
         del decoder
         torch.cuda.empty_cache()  # the fp16 weights quantize_randomly dropped, the fused copies
         (args.out / "e2e.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))

@@ -123,6 +123,9 @@ def test_the_end_to_end_benchmark_runs_its_pieces_on_cpu() -> None:
     decoder = StaticDecoder(model, batch_size=2, max_len=16)
     assert bench_e2e.check_step(decoder, 6, 128) == dict(rel_err=0.0, prefill_rel_err=0.0, same_top_token=True,
                                                          nonfinite_kernels=0, nonfinite_reference=0)
+    layers = bench_e2e.check_layers(decoder, (1, 3))
+    assert set(layers) == {f"{name}_m{m}" for name in ("qkv", "o", "gate_up", "down") for m in (1, 3)}
+    assert all(entry == dict(rel_err=0.0, nonfinite=0) for entry in layers.values())
     # per layer: codes (in x out / 2 bytes), fp16 group scales, fp32 channel scales; then lm_head and the cache
     linears = 64 * (64 + 2 * 32) + 64 * 64 + 2 * 64 * 128 + 128 * 64
     outputs = 64 + 2 * 32 + 64 + 2 * 128 + 64
