@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from quantkit.decode import StaticDecoder
 from quantkit.eval.speed import median_seconds
 from quantkit.models import get_adapter
-from quantkit.nn.qlinear import QuantLinear
+from quantkit.nn.qlinear import QuantLinear, pack_along_rows
 
 COPY_ROOF = {"H200": 4.25e12}  # bytes/s, measured copy rate by device (issue #4); others: GB/s alone
 DECODE_SLACK = 64  # cache positions after the prompt
@@ -52,12 +52,16 @@ def llama3_8b(layers: int) -> LlamaConfig:
 def quantize_randomly(model: torch.nn.Module, scheme: str, group: int) -> None:
     """Every decoder linear replaced by a random QuantLinear of the scheme (the fp16 weights freed)."""
     adapter = get_adapter(model)
+    device = model.get_input_embeddings().weight.device
     for layer in adapter.get_layers(model):
         for name in adapter.linear_names():
             parent, leaf = name.rsplit(".", 1)
             linear = layer.get_submodule(name)
-            quantized = random_layer(linear.in_features, linear.out_features, group, scheme,
-                                     device=linear.weight.device)
+            quantized = random_layer(linear.in_features, linear.out_features, group, scheme, device=device)
+            # codes 1..15 (q - 8 in [-7, 7]): random_layer's 0..15 have mean -0.5, a rank-one part of every weight
+            # that grows the activations along one direction layer after layer until fp16 overflows
+            codes = torch.randint(1, 16, (linear.in_features, linear.out_features), device=device, dtype=torch.uint8)
+            quantized.qweight.copy_(pack_along_rows(codes, 4))
             # the fp16 model's weight spread (random_layer's is larger: 32 such layers overflow fp16 activations)
             spread = WEIGHT_STD / quantized.dequantized_weight().float().std().item()
             scales = quantized.scales if quantized.channel_scales is None else quantized.channel_scales
