@@ -12,8 +12,9 @@ gate/up fused, as serving engines fuse them; a static KV cache of prompt + 64 po
   against the H200's 4.25 TB/s copy roof; for --compiled-batches also through torch.compile (fullgraph), whose
   fused elementwise kernels replace the ~10 small launches per layer around the linears;
 - prefill: `prompt` tokens of one sequence, graph-replayed the same way (lm_head on the last token only);
-- check: one decode step's logits on the kernels against the same layers' reference path (dequantized weights,
-  F.linear) from the same cache, after a prefill on the kernels: relative error and whether the top token agrees.
+- check: the first layer's linears alone at each token count, kernels against their reference path (dequantized
+  weights, F.linear; the run fails above LAYER_TOLERANCE), and the whole model's logits of a prefill and a decode step
+  on each path (relative errors, top token, non-finite logits: reported).
 The fp16 model runs first in the same process: every speedup is against it. Kernels tune on their first (eager) call
 per shape and token count, outside the graphs; QUANTKIT_CACHE_DIR keeps the tuned configs for the next run.
 Writes e2e.json and e2e.md (date, device, command, commit) into --out.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -38,8 +40,10 @@ from quantkit.nn.qlinear import QuantLinear, pack_along_rows
 
 COPY_ROOF = {"H200": 4.25e12}  # bytes/s, measured copy rate by device (issue #4); others: GB/s alone
 DECODE_SLACK = 64  # cache positions after the prompt
-# a step's logits on the kernels this far (relative Frobenius error) from the reference path's fail the run
-CHECK_TOLERANCE = 0.05
+# a layer's output on the kernels this far (relative Frobenius error) from its reference path's fails the run. The
+# whole model's logits are only reported: through 32 random layers W4A8's per-token int8 roundings flip where the two
+# paths differ by an fp16 ulp, and the flips compound (H100: 29% at the logits from 4e-4 per layer; W4A16 1%)
+LAYER_TOLERANCE = 2e-3
 WEIGHT_STD = 0.02  # transformers' initializer_range for Llama: the fp16 model's weights
 
 
@@ -134,15 +138,43 @@ def time_decode(step, decoder: StaticDecoder, batch: int, prompt: int, vocab: in
     seconds = median_seconds(lambda: step(ids, position), ids.device)
     moved = step_bytes(decoder)
     roof = next((r for name, r in COPY_ROOF.items() if name in torch.cuda.get_device_name()), None)
-    share = moved / seconds / roof if roof else float("nan")
-    log(f"  {label}: {seconds * 1e3:.3f} ms/step, {batch / seconds:.0f} tokens/s, {moved / seconds / 1e9:.0f} GB/s "
-        f"({share:.0%} of the copy roof) [{time.time() - t0:.0f}s]")
+    share = moved / seconds / roof if roof else None
+    log(f"  {label}: {seconds * 1e3:.3f} ms/step, {batch / seconds:.0f} tokens/s, {moved / seconds / 1e9:.0f} GB/s"
+        + (f" ({share:.0%} of the copy roof)" if share is not None else "") + f" [{time.time() - t0:.0f}s]")
     return dict(ms=seconds * 1e3, tokens_per_s=batch / seconds, GBps=moved / seconds / 1e9, roof_fraction=share,
                 step_bytes=moved)
 
 
+# kernel-name patterns, first match wins: quantkit's Triton / Gluon kernels are named after their jit functions
+KERNEL_KINDS = (("quantkit linears", r"^_(w4a|quantize)"), ("attention", r"attention|fmha|flash|softmax|efficient"),
+                ("cuBLAS", r"gemm|gemv|cutlass|xmma|nvjet|cublas"), ("inductor fused", r"^triton_"))
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
+def kernel_breakdown(step, steps: int = 5) -> dict:
+    """GPU time per step of each kind of kernel and the 12 longest kernels (torch.profiler over eager steps: the
+    kernels' own times, without the launch gaps a graph replay removes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.self_device_time_total / steps) for e in prof.key_averages() if e.self_device_time_total > 0]
+    kinds: dict[str, float] = {}
+    for name, us in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us
+    top = sorted(kernels, key=lambda k: -k[1])[:12]
+    return {"us_per_step": kinds, "total_us": sum(kinds.values()), "top": [[name[:120], us] for name, us in top]}
+
+
 def time_scheme(decoder: StaticDecoder, batches: list[int], compiled_batches: list[int], prompt: int, vocab: int,
-                log) -> dict:
+                log, profile: bool = False) -> dict:
     """Decode steps at each batch size, the same compiled (torch.compile fuses the norms, rotary and residual adds
     around the linears, gpt-fast's way; the quantized linears stay opaque custom ops), and the prefill."""
     rows = {f"decode_b{batch}": time_decode(decoder, decoder, batch, prompt, vocab, f"decode batch {batch}", log)
@@ -150,10 +182,16 @@ def time_scheme(decoder: StaticDecoder, batches: list[int], compiled_batches: li
     for batch in compiled_batches:
         step = torch.compile(decoder.__call__, fullgraph=True, dynamic=False)
         try:
-            rows[f"decode_b{batch}_compiled"] = time_decode(step, decoder, batch, prompt, vocab,
-                                                            f"decode batch {batch}, compiled", log)
+            row = rows[f"decode_b{batch}_compiled"] = time_decode(step, decoder, batch, prompt, vocab,
+                                                                  f"decode batch {batch}, compiled", log)
         except Exception as err:  # a compiler failure costs this row, not the run's other rows
             log(f"  decode batch {batch}, compiled: FAILED {type(err).__name__}: {str(err)[:2000]}")
+            continue
+        if profile:
+            ids = torch.randint(0, vocab, (batch, 1), device="cuda")
+            position = torch.tensor([prompt], device="cuda")
+            row["kernels"] = kernel_breakdown(lambda s=step, i=ids, p=position: s(i, p))
+            log(f"  kernels per compiled step (us): {row['kernels']['us_per_step']}; top {row['kernels']['top'][:5]}")
     decoder.new_cache(1)
     ids = torch.randint(0, vocab, (1, prompt), device="cuda")
     positions = torch.arange(prompt, device="cuda")
@@ -174,7 +212,8 @@ def markdown(meta: dict, results: dict) -> str:
             if not cell.startswith(("decode", "prefill")):
                 continue
             speedup = results["fp16"][cell]["ms"] / row["ms"] if cell in results.get("fp16", {}) else float("nan")
-            read = f"{row['GBps']:.0f} ({row['roof_fraction']:.0%})" if "GBps" in row else ""
+            share = f" ({row['roof_fraction']:.0%})" if row.get("roof_fraction") is not None else ""
+            read = f"{row['GBps']:.0f}{share}" if "GBps" in row else ""
             lines.append(f"| {scheme} | {cell} | {row['ms']:.3f} | {row['tokens_per_s']:.0f} | {speedup:.2f}x | {read} |")
     checks = {scheme: rows["check"] for scheme, rows in results.items()}
     lines += ["", "Kernels against the reference path (one decode step's logits): "
@@ -191,6 +230,8 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--compiled-batches", type=int, nargs="*", default=[1],
                         help="decode batch sizes also timed through torch.compile (compiles once per scheme each)")
+    parser.add_argument("--profile", action="store_true",
+                        help="compiled steps: GPU time per kind of kernel (torch.profiler), into the results")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--group", type=int, default=128)
@@ -210,11 +251,11 @@ def main() -> int:
         decoder = StaticDecoder(model, batch_size=1, max_len=args.prompt + DECODE_SLACK)
         log(f"{scheme} [{time.time() - t0:.0f}s to build]")
         results[scheme] = time_scheme(decoder, args.batches, args.compiled_batches, args.prompt, config.vocab_size,
-                                      log)
+                                      log, args.profile)
         check = results[scheme]["check"] = check_step(decoder, args.prompt, config.vocab_size)
-        failures += not check["rel_err"] < CHECK_TOLERANCE
         log(f"  check: {check}")
         layers = results[scheme]["check_layers"] = check_layers(decoder, (*args.batches, args.prompt))
+        failures += sum(not entry["rel_err"] < LAYER_TOLERANCE for entry in layers.values())
         log(f"  layers: {layers}")
         del decoder
         torch.cuda.empty_cache()  # the fp16 weights quantize_randomly dropped, the fused copies

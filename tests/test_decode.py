@@ -123,6 +123,10 @@ def test_the_end_to_end_benchmark_runs_its_pieces_on_cpu() -> None:
     decoder = StaticDecoder(model, batch_size=2, max_len=16)
     assert bench_e2e.check_step(decoder, 6, 128) == dict(rel_err=0.0, prefill_rel_err=0.0, same_top_token=True,
                                                          nonfinite_kernels=0, nonfinite_reference=0)
+    assert [bench_e2e.kernel_kind(name) for name in ("_w4a16_swap_gemv_kernel", "_quantize_rows_kernel",
+                                                     "sm90_xmma_gemm_f16f16", "triton_red_fused_add_mean_0",
+                                                     "fmha_cutlassF_f16", "void at::native::index_kernel")] == [
+        "quantkit linears", "quantkit linears", "cuBLAS", "inductor fused", "attention", "other"]
     layers = bench_e2e.check_layers(decoder, (1, 3))
     assert set(layers) == {f"{name}_m{m}" for name in ("qkv", "o", "gate_up", "down") for m in (1, 3)}
     assert all(entry == dict(rel_err=0.0, nonfinite=0) for entry in layers.values())
