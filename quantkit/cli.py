@@ -195,6 +195,7 @@ def evaluate_cmd(
     draft_tokens: Annotated[str, typer.Option(help="with --speculative: comma-separated draft lengths")] = "1,2,4,8",
     speed: Annotated[bool, typer.Option("--speed", help="time decode steps and a prefill (CUDA graphs on a GPU)")] = False,
     speed_batches: Annotated[str, typer.Option(help="with --speed: comma-separated decode batch sizes")] = "1",
+    speed_compile: Annotated[bool, typer.Option("--speed-compile", help="with --speed: decode steps through torch.compile")] = False,
     report: Annotated[Path | None, typer.Option("--report", help="folder for JSON, Markdown and plots")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write all metrics as JSON")] = None,
     seqlen: Annotated[int, typer.Option(help="perplexity window")] = 512,
@@ -218,7 +219,7 @@ def evaluate_cmd(
                  num_fewshot=num_fewshot, generations=generations, report_dir=report, json_path=json_path,
                  batch_size=batch_size, device=device, backend=backend, seqlen=seqlen, console=Console(),
                  max_windows=max_windows, max_new_tokens=max_new_tokens, draft_tokens=lengths,
-                 speed_batches=batches)
+                 speed_batches=batches, speed_compile="inductor" if speed_compile else None)
     except (QuantizationError, FileNotFoundError, ValueError) as err:
         _fail(err)
 

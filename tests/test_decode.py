@@ -154,9 +154,10 @@ def test_eval_speed_times_each_model_and_reports_speedups(tmp_path) -> None:
     models = {"base": tiny_model("llama"), "w4": tiny_model("llama"), "gemma": tiny_model("gemma3")}
     results = run_eval(list(models), texts=[], tasks=[], limit=None, num_fewshot=None, generations=False,
                        report_dir=tmp_path, json_path=None, batch_size=1, device="cpu", console=Console(quiet=True),
-                       loader=lambda name: (models[name], None, name), speed_batches=[1, 2])
+                       loader=lambda name: (models[name], None, name), speed_batches=[1, 2], speed_compile="eager")
     base, w4, gemma = (m["speed"] for m in results["models"])
-    assert set(base) == {"device", "decode_b1", "decode_b2", "prefill_512"} and base["device"] == "cpu"
+    assert set(base) == {"device", "compiled", "decode_b1", "decode_b2", "prefill_512"} and base["device"] == "cpu"
+    assert base["compiled"] == "eager"  # Dynamo traced each decode step (no Inductor code generation in a test)
     assert all(base[cell]["ms"] > 0 for cell in ("decode_b1", "decode_b2", "prefill_512"))
     assert base["decode_b2"]["tokens_per_s"] == pytest.approx(2e3 / base["decode_b2"]["ms"])
     assert "not 'gemma3_text'" in gemma["skipped"]

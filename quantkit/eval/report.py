@@ -216,7 +216,9 @@ def markdown_report(results: dict, plots: list[str]) -> str:
             "quantkit.decode.StaticDecoder's steps (q/k/v and gate/up fused, a static KV cache of "
             f"{speed.PROMPT_TOKENS} + 1 positions, attention over all of it): one decode step of B tokens "
             f"(decode_bB) and the prefill of one {speed.PROMPT_TOKENS}-token prompt, median of CUDA-graph replays on a "
-            "GPU (wall clock on a CPU).",
+            "GPU (wall clock on a CPU)"
+            + (f"; decode steps through torch.compile ({config['speed_compile']})." if config.get("speed_compile")
+               else "."),
             "",
             *_markdown_table(speed_headers(results), speed_rows(results)),
             *[f"Not timed: {line}\n" for line in skipped],

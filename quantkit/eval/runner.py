@@ -100,6 +100,7 @@ def run_eval(
     max_windows: int | None = None,
     draft_tokens: list[int] | None = None,
     speed_batches: list[int] | None = None,
+    speed_compile: str | None = None,
 ) -> dict:
     """Evaluate each model (the first is the baseline for deltas) and write the requested outputs.
 
@@ -108,7 +109,8 @@ def run_eval(
     calib_data/eval_prompts.json. draft_tokens: draft lengths at which every model after the first is
     measured as a speculative-decoding draft for the first (quantkit.eval.speculative); None = not measured.
     speed_batches: batch sizes at which each model's decode step (and its prefill) is timed
-    (quantkit.eval.speed); None = not timed.
+    (quantkit.eval.speed); None = not timed. speed_compile: the torch.compile backend of the timed decode steps
+    (None: not compiled).
     """
     console = console or Console()
     if not models:
@@ -146,6 +148,7 @@ def run_eval(
             "max_new_tokens": max_new_tokens,
             "draft_tokens": draft_tokens,
             "speed_batches": speed_batches,
+            "speed_compile": speed_compile,
             "versions": _versions(),
         },
         "prompts": prompt_list,
@@ -206,7 +209,8 @@ def _evaluate_model(
                           f"alpha (T=1) {100 * entry['speculative']['alpha_t1']:.1f}% "
                           f"({time.perf_counter() - start:.1f} s)")
     if config["speed_batches"] is not None:  # last: its decoder fuses the model's q/k/v and gate/up
-        entry["speed"] = speed.measure_speed(model, tuple(config["speed_batches"]))
+        entry["speed"] = speed.measure_speed(model, tuple(config["speed_batches"]),
+                                             compile_backend=config["speed_compile"])
         console.print(f"  speed: {report.speed_summary(entry['speed'])}")
     del model
     gc.collect()
