@@ -55,7 +55,7 @@ def measure_speed(model: nn.Module, batch_sizes: tuple[int, ...] = (1,), prompt:
     "prefill_{prompt}": {"ms", "tokens_per_s"} (one sequence), "device"}, or {"skipped": why} for a model
     StaticDecoder does not run. Random token ids: the speed does not depend on them. compile_backend: decode steps
     through torch.compile(fullgraph) with that backend ("inductor" fuses the small ops around the linears; on an
-    H100 it made an 8B-shaped W4A16 step 1.57x faster, benchmarks/README.md), once per batch size."""
+    H100 it made an 8B-shaped W4A16 step 1.56x faster, benchmarks/README.md), once per batch size."""
     device = model.get_input_embeddings().weight.device
     try:
         decoder = StaticDecoder(model, batch_sizes[0], prompt + 1)
