@@ -1,7 +1,7 @@
 """End-to-end speed of a Llama-3-8B-shaped model: fp16 against quantkit's W4A16 / W4A8 layers on their kernels.
 
     source benchmarks/device_env.sh; QUANTKIT_COMMIT=<commit> python benchmarks/bench_e2e.py --out DIR \
-        [--schemes w4a16 w4a8] [--batches 1 4 16] [--prompt 512] [--layers 32]
+        [--schemes w4a16 w4a8] [--batches 1 16] [--compiled-batches 1] [--profile] [--prompt 512] [--layers 32]
 
 Random weights (speed does not depend on their values): the fp16 model from Llama-3-8B's config, then each scheme's
 random QuantLinears (g128 symmetric; W4A8 with QQQ's two-level scales, bench_kernels.random_layer) in place of every
@@ -9,8 +9,8 @@ decoder linear; embeddings and lm_head stay fp16 in all. quantkit.decode.StaticD
 gate/up fused, as serving engines fuse them; a static KV cache of prompt + 64 positions).
 - decode: one step of `batch` tokens at position `prompt`, captured in a CUDA graph and replayed (median ms per
   step), tokens/s, and the bytes a step must read (linear weights and scales, lm_head, the whole cache) per second
-  against the H200's 4.25 TB/s copy roof; for --compiled-batches also through torch.compile (fullgraph), whose
-  fused elementwise kernels replace the ~10 small launches per layer around the linears;
+  (on an H200 against its 4.25 TB/s copy roof); for --compiled-batches also through torch.compile (fullgraph), whose
+  fused kernels replace the small ones around the linears (--profile: their GPU time by kind of kernel);
 - prefill: `prompt` tokens of one sequence, graph-replayed the same way (lm_head on the last token only);
 - check: the first layer's linears alone at each token count, kernels against their reference path (dequantized
   weights, F.linear; the run fails above LAYER_TOLERANCE), and the whole model's logits of a prefill and a decode step
@@ -227,7 +227,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--schemes", nargs="+", default=["w4a16", "w4a8"], choices=["w4a16", "w4a8"])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--compiled-batches", type=int, nargs="*", default=[1],
                         help="decode batch sizes also timed through torch.compile (compiles once per scheme each)")
     parser.add_argument("--profile", action="store_true",
