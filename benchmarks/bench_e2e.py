@@ -34,7 +34,7 @@ from bench_kernels import printing_log, random_layer, run_meta
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from quantkit.decode import StaticDecoder
-from quantkit.eval.speed import median_seconds
+from quantkit.eval.speed import compiled_step, median_seconds
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear, pack_along_rows
 
@@ -180,7 +180,7 @@ def time_scheme(decoder: StaticDecoder, batches: list[int], compiled_batches: li
     rows = {f"decode_b{batch}": time_decode(decoder, decoder, batch, prompt, vocab, f"decode batch {batch}", log)
             for batch in batches}
     for batch in compiled_batches:
-        step = torch.compile(decoder.__call__, fullgraph=True, dynamic=False)
+        step = compiled_step(decoder)
         try:
             row = rows[f"decode_b{batch}_compiled"] = time_decode(step, decoder, batch, prompt, vocab,
                                                                   f"decode batch {batch}, compiled", log)

@@ -49,6 +49,14 @@ def median_seconds(step: Callable[[], object], device: torch.device, reps: int =
     return sorted(times)[len(times) // 2]
 
 
+def compiled_step(decoder: StaticDecoder, backend: str = "inductor") -> Callable:
+    """decoder's step through torch.compile(fullgraph, static shapes). Dynamo's compiled code is cleared first: each
+    decoder and batch size compiles the same method again, and past Dynamo's recompile limit it would quietly run
+    eager."""
+    torch._dynamo.reset()
+    return torch.compile(decoder.__call__, fullgraph=True, dynamic=False, backend=backend)
+
+
 def measure_speed(model: nn.Module, batch_sizes: tuple[int, ...] = (1,), prompt: int = PROMPT_TOKENS,
                   reps: int = REPS, compile_backend: str | None = None) -> dict:
     """{"decode_b{B}": {"ms", "tokens_per_s"} per batch size (one step of B tokens after a prompt of `prompt`),
@@ -69,8 +77,7 @@ def measure_speed(model: nn.Module, batch_sizes: tuple[int, ...] = (1,), prompt:
     for batch in batch_sizes:
         decoder.new_cache(batch)
         ids = torch.randint(0, vocab, (batch, 1), generator=generator).to(device)
-        step = decoder if compile_backend is None else torch.compile(decoder.__call__, fullgraph=True, dynamic=False,
-                                                                      backend=compile_backend)
+        step = decoder if compile_backend is None else compiled_step(decoder, compile_backend)
         seconds = median_seconds(lambda ids=ids, step=step: step(ids, position), device, reps)
         result[f"decode_b{batch}"] = {"ms": 1e3 * seconds, "tokens_per_s": batch / seconds}
     decoder.new_cache(1)
