@@ -114,8 +114,9 @@ class QuantLinear(nn.Module):
             if (layer.scales.dtype, layer.channel_scales is None) != (first.scales.dtype, first.channel_scales is None):
                 raise ValueError("cannot concatenate QuantLinears with different scale dtypes or scale schemes")
         has_bias = any(layer.bias is not None for layer in layers)
-        fused = cls(first.in_features, sum(layer.out_features for layer in layers), first.bits, first.group_size,
-                    False, first.act_bits, first.channel_scales is not None, first.scales.dtype)
+        with torch.device("meta"):  # every buffer is replaced below: allocate none of them
+            fused = cls(first.in_features, sum(layer.out_features for layer in layers), first.bits, first.group_size,
+                        False, first.act_bits, first.channel_scales is not None, first.scales.dtype)
         fused.qweight = torch.cat([layer.qweight for layer in layers], dim=1)
         fused.scales = torch.cat([layer.scales for layer in layers], dim=1)
         fused.zeros = torch.cat([layer.zeros for layer in layers], dim=1)
