@@ -30,7 +30,8 @@ def _register_ops() -> None:
 
     @torch.library.custom_op("quantkit::w4a16_linear", mutates_args=())
     def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                     bias: torch.Tensor | None, group_size: int, swap_weight: torch.Tensor | None) -> torch.Tensor:
+                     bias: torch.Tensor | None, group_size: int, swap_weight: torch.Tensor | None,
+                     plain: bool = True) -> torch.Tensor:
         n, k = qweight.shape[1], x.shape[1]
 
         def run(cfg: dict) -> torch.Tensor:
@@ -40,12 +41,12 @@ def _register_ops() -> None:
             return w4a16_reference(x, qweight, scales, zeros, bias, group_size)
 
         return run(pick_config("w4a16", x, n, k, group_size, run, zeros is not None, swap=swap_weight is not None,
-                               reference=reference, swap_block=swap_block(swap_weight, k)))
+                               reference=reference, swap_block=swap_block(swap_weight, k), plain=plain))
 
     @torch.library.custom_op("quantkit::w4a8_linear", mutates_args=())
     def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
                     group_scales: torch.Tensor | None, zeros: torch.Tensor | None, bias: torch.Tensor | None,
-                    group_size: int, swap_weight: torch.Tensor | None) -> torch.Tensor:
+                    group_size: int, swap_weight: torch.Tensor | None, plain: bool = True) -> torch.Tensor:
         n, k = qweight.shape[1], x.shape[1]
 
         def run(cfg: dict) -> torch.Tensor:
@@ -55,7 +56,7 @@ def _register_ops() -> None:
             return w4a8_reference(x, qweight, channel_scales, group_scales, zeros, bias, group_size)
 
         return run(pick_config("w4a8", x, n, k, group_size, run, zeros is not None, group_scales is not None,
-                               swap_weight is not None, reference, swap_block(swap_weight, k)))
+                               swap_weight is not None, reference, swap_block(swap_weight, k), plain))
 
     for op in (w4a16_linear, w4a8_linear):
         op.register_fake(lambda x, qweight, *args: x.new_empty(x.shape[0], qweight.shape[1]))
@@ -119,23 +120,38 @@ SWAP_BLOCK = {16: 512, 8: 128}
 
 
 def swap_weight_for(layer: torch.nn.Module, symmetric: bool) -> torch.Tensor | None:
-    """The swap kernels' copy of a layer's weight (0.5 byte per weight more on the GPU) in K blocks of
-    SWAP_BLOCK inputs (plain where K is no multiple of it), or None when the kernels cannot take the layer or
-    QUANTKIT_SWAP_KERNEL=0."""
+    """The swap kernels' copy of a layer's weight, on the scales' device, in K blocks of SWAP_BLOCK inputs (plain
+    where K is no multiple of it), or None when the kernels cannot take the layer or QUANTKIT_SWAP_KERNEL=0."""
     from .w4a8_swap import repack_for_w4a8_swap, w4a8_swap_supported
     from .w4a16_swap import k_blocked, repack_for_swap, swap_supported
 
     k, n, group = layer.in_features, layer.out_features, layer.group_size
     if os.environ.get("QUANTKIT_SWAP_KERNEL", "1") == "0":
         return None
+    qweight = layer.qweight.to(layer.scales.device)  # (a plain copy kept in host memory comes back to be repacked)
     if layer.act_bits == 16:
-        packed = repack_for_swap(layer.qweight) if swap_supported(k, n, group) else None
+        packed = repack_for_swap(qweight) if swap_supported(k, n, group) else None
     else:
         group_scales = layer.scales if layer.channel_scales is not None else None
-        packed = repack_for_w4a8_swap(layer.qweight) if w4a8_swap_supported(k, n, group, symmetric,
-                                                                           group_scales) else None
+        packed = repack_for_w4a8_swap(qweight) if w4a8_swap_supported(k, n, group, symmetric, group_scales) else None
     block = SWAP_BLOCK[layer.act_bits]
     return k_blocked(packed, k, block) if packed is not None and k % block == 0 else packed
+
+
+def keeps_plain_copy(device: torch.device) -> bool:
+    """Whether a layer with a swap-layout copy keeps its plain K-packed weight on the GPU too (0.5 byte per weight
+    more), for the kernels that read that layout. Not on Hopper with Gluon (autotune.hopper_gluon: its wgmma kernels
+    read the swap layout at any M), where the swap-layout kernels won every tuned cell but four (dequantize + cuBLAS:
+    8B o at 256 tokens, 8B qkv / gate_up and 70B gate_up at 1024, 0.72-0.83x;
+    kernels/results_w4a16_acc_once_2026-12-04.md): there the plain copy moves to host memory (for exports, state
+    dicts and the reference path) and the GPU holds one copy of the weight. QUANTKIT_PLAIN_COPY=1 keeps it on any
+    device, QUANTKIT_PLAIN_COPY=0 moves it on any."""
+    chosen = os.environ.get("QUANTKIT_PLAIN_COPY")
+    if chosen is not None:
+        return chosen != "0"
+    from .autotune import hopper_gluon
+
+    return not hopper_gluon(device)
 
 
 def swap_block(swap_weight: torch.Tensor | None, k: int) -> int | None:
@@ -160,7 +176,7 @@ def unsupported_reason(layer: torch.nn.Module) -> str | None:
         return f"group size {group} (kernels take per-channel or a power of two >= 32)"
     if layer.act_bits == 8 and layer.channel_scales is None and group != k:
         return "int8 activations with one-level group scales (W4A8 kernels are per-channel or two-level)"
-    if not (layer.qweight.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not (layer.scales.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return "weights are not on a CUDA device"
     try:
         import triton  # noqa: F401
@@ -179,7 +195,9 @@ def _two_level_int8_overflow(layer: torch.nn.Module) -> bool:
 
 def make_kernel_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A fast forward for a QuantLinear (on CUDA; on CPU only under TRITON_INTERPRET=1), or None to keep the
-    reference path. Re-run after moving the layer: the forward holds the buffers it was made with."""
+    reference path. Re-run after moving the layer: the forward holds the buffers it was made with. Its
+    `plain_qweight` is the plain-layout weight it uses: in host memory where keeps_plain_copy says so (then only the
+    swap-layout kernels run; QuantLinear.prepare_kernels lets the layer's own buffer go there too)."""
     reason = unsupported_reason(layer)
     two_level = layer.act_bits == 8 and layer.channel_scales is not None
     if reason is None and two_level and _two_level_int8_overflow(layer):
@@ -188,17 +206,23 @@ def make_kernel_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
         log.info("QuantLinear(%s) keeps the reference path: %s", layer.extra_repr(), reason)
         return None
     _register_ops()
+    from .autotune import hopper_gluon, swap_layout_serves
     from .w4a16 import tile_counters
 
-    tile_counters(layer.qweight.device)  # allocated now, never inside a CUDA-graph capture
+    device = layer.scales.device
+    tile_counters(device)  # allocated now, never inside a CUDA-graph capture
     k, n, group, dtype = layer.in_features, layer.out_features, layer.group_size, layer.scales.dtype
     zeros = None if bool((layer.zeros == 8).all()) else layer.zeros  # symmetric: the kernels use 8
-    qweight, bias = layer.qweight, layer.bias
+    bias = layer.bias
     swap_weight = swap_weight_for(layer, zeros is None)
+    plain = swap_weight is None or keeps_plain_copy(device) or not swap_layout_serves(
+        "w4a16" if layer.act_bits == 16 else "w4a8", n, k, group, hopper_gluon(device), dtype == torch.float16,
+        swap_block(swap_weight, k))
+    qweight = layer.qweight.to(device if plain else "cpu")
     if layer.act_bits == 16:
 
         def run(x2: torch.Tensor) -> torch.Tensor:
-            return torch.ops.quantkit.w4a16_linear(x2, qweight, layer.scales, zeros, bias, group, swap_weight)
+            return torch.ops.quantkit.w4a16_linear(x2, qweight, layer.scales, zeros, bias, group, swap_weight, plain)
     else:
         channel = (layer.channel_scales if two_level else layer.scales[0]).float().contiguous()
         group_scales = layer.scales if two_level else None
@@ -206,10 +230,11 @@ def make_kernel_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
 
         def run(x2: torch.Tensor) -> torch.Tensor:
             return torch.ops.quantkit.w4a8_linear(x2, qweight, channel, group_scales, channel_zeros, bias, group,
-                                                  swap_weight)
+                                                  swap_weight, plain)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         out = run(x.reshape(-1, k).to(dtype).contiguous())
         return out.reshape(*x.shape[:-1], n).to(x.dtype)
 
+    forward.plain_qweight = qweight
     return forward

@@ -155,14 +155,15 @@ def swap_candidates(scheme: str, m: int, n: int, k: int, group: int) -> list[dic
 
 
 def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = False, hopper: bool = False,
-               fp16: bool = True, swap_block: int | None = None) -> list[dict]:
+               fp16: bool = True, swap_block: int | None = None, plain: bool = True) -> list[dict]:
     """Configs worth timing for this problem, the heuristic default first. scheme: 'w4a16' or 'w4a8'.
     swap: the layer has a swap kernel's weight layout (w4a16_swap; w4a8_swap for symmetric weights): its
     configs lead from M = 2 to 64 (and join W4A8's timed candidates at M = 128..512). hopper: the Gluon
     kernels (on the swap layouts) can run: the wgmma kernels' configs are timed too (M >= 8; W4A16's lead at
     M = 32..512), and with fp16 activations W4A16's TMA gemv (M <= 4; it leads for one token on large layers).
     swap_block: the K block of the swap layout (kernels/__init__.SWAP_BLOCK; None: plain): the swap-layout
-    kernels' K tiles must fit in it."""
+    kernels' K tiles must fit in it. plain: the plain-layout weight is on the GPU (kernels/__init__.keeps_plain_copy);
+    without it only the swap-layout kernels are candidates."""
     b = m_bucket(m)
     out: list[dict] = []
     bk_min = 32 if scheme == "w4a16" else 64  # int8 dot needs K >= 32 per instruction; 64 keeps it fed
@@ -228,8 +229,21 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
         wgmma = wgmma_candidates(scheme, m, n, k, group)
         lead = 32 <= b <= 512 if scheme == "w4a16" else b >= 256
         out = wgmma + out if lead else out + wgmma
-    return [c for c in out if c["kernel"] in ("dequant_mm", "int_mm")
-            or (_fits(c, k, group) and fits_swap_block(c, swap_block))]
+    out = [c for c in out if c["kernel"] in ("dequant_mm", "int_mm")
+           or (_fits(c, k, group) and fits_swap_block(c, swap_block))]
+    if plain or not swap:
+        return out
+    only = [c for c in out if c["kernel"] in SWAP_LAYOUT_KERNELS]
+    # none (many tokens, no Gluon): the swap kernel's largest token tiles, which take any M
+    largest = swap_candidates(scheme, min(m, 512), n, k, group) or swap_candidates(scheme, min(m, 64), n, k, group)
+    return only or [c for c in largest if _fits(c, k, group) and fits_swap_block(c, swap_block)]
+
+
+def swap_layout_serves(scheme: str, n: int, k: int, group: int, hopper: bool, fp16: bool, swap_block: int | None
+                       ) -> bool:
+    """Whether some swap-layout kernel takes this layer at every token count (its plain copy can then leave the GPU)."""
+    return all(candidates(scheme, m, n, k, group, True, hopper, fp16, swap_block, plain=False)
+               for m in (1, 2, 8, 16, 64, 256, 1024, 4096))
 
 
 def fits_swap_block(cfg: dict, swap_block: int | None) -> bool:
@@ -375,11 +389,11 @@ TUNING_VERSION = 2
 
 
 def tuning_key(device_name: str, scheme: str, dtype: torch.dtype, n: int, k: int, group: int, m: int,
-               zeros: bool, two_level: bool | None, swap: bool, swap_block: int | None = None) -> str:
+               zeros: bool, two_level: bool | None, swap: bool, swap_block: int | None = None, plain: bool = True) -> str:
     """The cache key of a tuned config: version, device, problem, M bucket and the layer traits configs depend on
-    (two_level: None for W4A16; the swap layout's K block when it has one)."""
+    (two_level: None for W4A16; the swap layout's K block when it has one; "only" without the plain layout)."""
     traits = (f"z{int(zeros)}" + ("" if two_level is None else f"two{int(two_level)}") + ("swap" if swap else "")
-              + (f"b{swap_block}" if swap and swap_block else ""))
+              + (f"b{swap_block}" if swap and swap_block else "") + ("only" if swap and not plain else ""))
     return f"v{TUNING_VERSION}|{device_name}|{scheme}|{dtype}|N{n}|K{k}|g{group}|{traits}|M{m_bucket(m)}"
 
 
@@ -416,15 +430,17 @@ def _right_results(options: list[dict], run: Callable[[dict], object], expected:
 
 def pick_config(scheme: str, x: torch.Tensor, n: int, k: int, group: int, run: Callable[[dict], object],
                 zeros: bool = False, two_level: bool | None = None, swap: bool = False,
-                reference: Callable[[], torch.Tensor] | None = None, swap_block: int | None = None) -> dict:
+                reference: Callable[[], torch.Tensor] | None = None, swap_block: int | None = None,
+                plain: bool = True) -> dict:
     """The config for this call: cached, else tuned (timing run(config) for each candidate whose output matches
     reference(), when given and finite; REFERENCE if none does), else default."""
     m = x.shape[0]
-    options = candidates(scheme, m, n, k, group, swap, hopper_gluon(x.device), x.dtype == torch.float16, swap_block)
+    options = candidates(scheme, m, n, k, group, swap, hopper_gluon(x.device), x.dtype == torch.float16, swap_block,
+                         plain)
     if not (x.is_cuda and tuning_enabled()):
         return options[0]
     key = tuning_key(torch.cuda.get_device_name(x.device), scheme, x.dtype, n, k, group, m, zeros, two_level, swap,
-                     swap_block)
+                     swap_block, plain)
     cached = _cache().get(key)
     if cached is not None:
         return cached

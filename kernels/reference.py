@@ -12,9 +12,11 @@ from quantkit.nn.qlinear import int8_tokens, unpack_along_rows
 COLUMNS = 2048  # output columns dequantized at a time
 
 
-def _dequantized(qweight: torch.Tensor, zeros: torch.Tensor | None, group_size: int, columns: slice) -> tuple:
-    """(q - zero) [K, C] fp32 for the columns, and each input row's group index [K]."""
-    codes = unpack_along_rows(qweight[:, columns], 4).float()
+def _dequantized(qweight: torch.Tensor, zeros: torch.Tensor | None, group_size: int, columns: slice,
+                 device: torch.device) -> tuple:
+    """(q - zero) [K, C] fp32 on the device for the columns (a weight kept in host memory comes over a block at a
+    time), and each input row's group index [K]."""
+    codes = unpack_along_rows(qweight[:, columns].to(device), 4).float()
     group = torch.arange(codes.shape[0], device=codes.device) // group_size
     if zeros is None:  # symmetric: the kernels' implicit 8
         z = 8.0
@@ -34,7 +36,7 @@ def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     """x [M, K] @ ((q - z) * s) [K, N] (+ bias) in fp32, cast to x's dtype; the w4a16_linear op's arguments."""
     xf, blocks = x.float(), []
     for cols in _column_blocks(qweight.shape[1]):
-        w, group = _dequantized(qweight, zeros, group_size, cols)
+        w, group = _dequantized(qweight, zeros, group_size, cols, x.device)
         blocks.append(xf @ (w * scales[:, cols].float()[group]))
     out = torch.cat(blocks, dim=1)
     return (out if bias is None else out + bias.float()).to(x.dtype)
@@ -48,7 +50,7 @@ def w4a8_reference(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch
     codes, token_scales = int8_tokens(x)
     xq, blocks = codes.float(), []
     for cols in _column_blocks(qweight.shape[1]):
-        w, group = _dequantized(qweight, zeros, group_size, cols)
+        w, group = _dequantized(qweight, zeros, group_size, cols, x.device)
         if group_scales is not None:
             w = torch.round(w * group_scales[:, cols].float()[group]).clamp(-128, 127)  # as QuantLinear's
         blocks.append(xq @ (w * channel_scales[cols].float()))

@@ -264,3 +264,36 @@ def test_copies_and_pickles_never_share_the_kernel_forward():
     for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
         assert clone._kernel is None and torch.equal(clone.qweight, layer.qweight)
     assert layer._kernel is not None
+
+
+@pytest.mark.parametrize(("act_bits", "group"), [(16, 64), (8, 64), (8, -1)])
+def test_one_weight_copy_on_the_device_where_the_swap_kernels_serve_every_m(monkeypatch, act_bits, group):
+    """Where the plain copy is not kept (QUANTKIT_PLAIN_COPY=0 here; Hopper's default) only the swap-layout kernels
+    run, at every token count (past 512 without the Gluon kernels: the swap kernel's largest tiles), their results
+    right; qweight moves to host memory, and exports, fusing and the reference path still read it."""
+    import quantkit.kernels.w4a8_swap as swap8
+    import quantkit.kernels.w4a16_swap as swap16
+    from quantkit.kernels import keeps_plain_copy
+    from quantkit.kernels.autotune import SWAP_LAYOUT_KERNELS
+
+    assert keeps_plain_copy(torch.device("cpu"))  # off Hopper the plain copy stays by default
+    monkeypatch.setenv("QUANTKIT_PLAIN_COPY", "0")
+    layer = random_layer(512, 128, group, torch.float16, sym=True) if act_bits == 16 else qqq_layer(
+        512, 128, group, torch.float16)
+    for m in (1, 3, 64, 300, 1030):
+        options = candidates("w4a16" if act_bits == 16 else "w4a8", m, 128, 512, layer.group_size, swap=True,
+                             plain=False)
+        assert options and {c["kernel"] for c in options} <= set(SWAP_LAYOUT_KERNELS)
+    mod, name = (swap16, "w4a16_swap_matmul") if act_bits == 16 else (swap8, "w4a8_swap_matmul")
+    kernels, real = [], getattr(mod, name)
+    monkeypatch.setattr(mod, name, lambda *args: kernels.append(args[-1]["kernel"]) or real(*args))
+    forward = make_kernel_forward(layer)
+    assert forward.plain_qweight.device.type == "cpu"
+    for m in (3, 600):
+        x = torch.randn(m, 512, dtype=torch.float16)
+        assert relative_error(forward(x), layer.reference_forward(x).double()) < 2e-3
+    assert kernels == ["swap", "swap"]
+    fused = QuantLinear.concatenated([layer, layer])
+    assert torch.equal(fused.qweight, torch.cat([layer.qweight] * 2, dim=1))
+    narrow = random_layer(512, 64, 64, torch.float16, sym=True)  # no swap tile takes 64 outputs at 64 tokens
+    assert make_kernel_forward(narrow).plain_qweight is narrow.qweight

@@ -9,8 +9,9 @@ Storage (our own, K-packed like GPTQ's `qweight`; exporters convert from/to the 
   act_bits        16 (weight-only) or 8 (per-token dynamic symmetric int8 activations, simulated
                   exactly here; the W4A8 kernel computes the same function).
 
-On CUDA the Triton kernels in quantkit.kernels run it when they accept the shape; everywhere else
-(and as the reference) the weight is dequantized and multiplied.
+On CUDA the Triton kernels in quantkit.kernels run it when they accept the shape, from their own copy of the
+weight (on Hopper their only one: qweight then stays in host memory, see prepare_kernels); everywhere else (and as
+the reference) the weight is dequantized and multiplied.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class QuantLinear(nn.Module):
         with torch.device("meta"):  # every buffer is replaced below: allocate none of them
             fused = cls(first.in_features, sum(layer.out_features for layer in layers), first.bits, first.group_size,
                         False, first.act_bits, first.channel_scales is not None, first.scales.dtype)
-        fused.qweight = torch.cat([layer.qweight for layer in layers], dim=1)
+        fused.qweight = torch.cat([layer.plain_qweight() for layer in layers], dim=1)
         fused.scales = torch.cat([layer.scales for layer in layers], dim=1)
         fused.zeros = torch.cat([layer.zeros for layer in layers], dim=1)
         if first.channel_scales is not None:
@@ -136,7 +137,7 @@ class QuantLinear(nn.Module):
             scales = scales * channel[:, None]
         group_size = -1 if self.group_size == self.in_features else self.group_size
         return QuantizedWeight(
-            codes=unpack_along_rows(self.qweight, self.bits).t().contiguous(),
+            codes=unpack_along_rows(self.plain_qweight(), self.bits).t().contiguous(),
             scales=scales,
             zeros=self.zeros.t().contiguous(),
             bits=self.bits,
@@ -147,7 +148,7 @@ class QuantLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """[out, in] weight in the activation dtype, computed from the packed buffers."""
-        codes = unpack_along_rows(self.qweight, self.bits)  # [in, out]
+        codes = unpack_along_rows(self.plain_qweight(), self.bits)  # [in, out]
         g = torch.arange(self.in_features, device=codes.device) // self.group_size
         q = codes.float() - self.zeros[g].float()
         if self.channel_scales is not None:
@@ -174,13 +175,20 @@ class QuantLinear(nn.Module):
         """Build the Triton-kernel forward for this layer's device and shape, if one applies. Runs by
         itself whenever the layer moves (`model.to("cuda")`) or loads a state dict; call it again after
         editing the packed buffers in place (the forward decides symmetric vs zero points when built).
-        QUANTKIT_KERNELS=0 keeps the reference path."""
+        Where the kernels run on their own copy of the weight alone (quantkit.kernels.keeps_plain_copy),
+        `qweight` moves to host memory: the GPU holds one copy. QUANTKIT_KERNELS=0 keeps the reference path."""
         from quantkit.kernels import make_kernel_forward
 
-        self._kernel = make_kernel_forward(self) if self.qweight.is_cuda else None
+        self._kernel = make_kernel_forward(self) if self.scales.is_cuda else None
+        if self._kernel is not None:
+            self.qweight = self._kernel.plain_qweight
+
+    def plain_qweight(self) -> torch.Tensor:
+        """qweight on the layer's device (the scales'), wherever it is kept."""
+        return self.qweight.to(self.scales.device)
 
     def _wants_kernel(self) -> bool:
-        return self.qweight.is_cuda and os.environ.get("QUANTKIT_KERNELS", "1") != "0"
+        return self.scales.is_cuda and os.environ.get("QUANTKIT_KERNELS", "1") != "0"
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
