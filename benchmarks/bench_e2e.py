@@ -101,7 +101,7 @@ def check_layers(decoder: StaticDecoder, token_counts: tuple[int, ...]) -> dict:
         if not isinstance(linear, QuantLinear):
             continue
         for m in token_counts:
-            x = torch.randn(m, linear.in_features, device=linear.qweight.device, dtype=linear.scales.dtype)
+            x = torch.randn(m, linear.in_features, device=linear.scales.device, dtype=linear.scales.dtype)
             out, ref = linear(x).float(), linear.reference_forward(x).float()
             errors[f"{name}_m{m}"] = dict(rel_err=((out - ref).norm() / ref.norm()).item(),
                                           nonfinite=int((~out.isfinite()).sum()))

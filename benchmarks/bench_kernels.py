@@ -82,7 +82,7 @@ def random_layer(k: int, n: int, group: int, scheme: str, dtype: torch.dtype = D
 
 def reference(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """float64 result: W4A16 dequantized weights; W4A8 exact int8 semantics (QQQ's rounding)."""
-    q = unpack_along_rows(layer.qweight, 4).double()
+    q = unpack_along_rows(layer.plain_qweight(), 4).double()
     g = torch.arange(layer.in_features, device=x.device) // layer.group_size
     w = q - layer.zeros[g].double()
     if layer.act_bits == 16:
@@ -110,13 +110,14 @@ def config_runner(layer: QuantLinear):
 
     zeros = None if bool((layer.zeros == 8).all()) else layer.zeros
     swap = swap_weight_for(layer, zeros is None)
+    qweight = layer.plain_qweight()  # on the GPU: every kernel is swept, the plain-layout ones too
     if layer.act_bits == 16:
-        return lambda x, cfg: w4a16_run(x, layer.qweight, layer.scales, zeros, layer.bias, layer.group_size, swap, cfg)
+        return lambda x, cfg: w4a16_run(x, qweight, layer.scales, zeros, layer.bias, layer.group_size, swap, cfg)
     two = layer.channel_scales is not None
     channel = layer.channel_scales if two else layer.scales[0].float()
     zeros = zeros if two or zeros is None else zeros[0].contiguous()
     group_scales = layer.scales if two else None
-    return lambda x, cfg: w4a8_run(x, layer.qweight, channel, group_scales, zeros, layer.bias, layer.group_size,
+    return lambda x, cfg: w4a8_run(x, qweight, channel, group_scales, zeros, layer.bias, layer.group_size,
                                    swap, cfg)
 
 
@@ -260,6 +261,7 @@ def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict, sy
         layers[key] = [random_layer(k, n, group, scheme, sym=sym) for _ in range(copies_for(q_bytes))]
     for layer in layers[key]:
         forward = make_kernel_forward(layer)
+        plain = forward.plain_qweight.is_cuda  # else the swap-layout kernels alone (kernels.keeps_plain_copy)
         x = torch.randn(m, k, device="cuda", dtype=DTYPE)
         forward(x)  # tunes this M bucket (outside the capture), or reads the cache
         quant_calls.append(lambda f=forward, x=x: f(x))
@@ -269,7 +271,7 @@ def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict, sy
         t_off = min(_without_pdl(quant_calls) for _ in range(2))
         t_quant = min(t_quant, graph_time(quant_calls))
         extra = dict(t_kernel_no_pdl_us=t_off * 1e6, speedup_no_pdl=t_base / t_off)
-    return dict(**extra, t_cublas_us=t_base * 1e6, t_kernel_us=t_quant * 1e6, speedup=t_base / t_quant,
+    return dict(**extra, plain_copy=plain, t_cublas_us=t_base * 1e6, t_kernel_us=t_quant * 1e6, speedup=t_base / t_quant,
                 kernel_GBps=q_bytes / t_quant / 1e9, cublas_GBps=fp16_bytes / t_base / 1e9,
                 kernel_TFLOPs=2 * m * n * k / t_quant / 1e12, cublas_TFLOPs=2 * m * n * k / t_base / 1e12)
 
@@ -657,7 +659,8 @@ def main() -> int:
                 swap = scheme == "w4a16" or not args.asym  # which layers random_layer gives a swap layout
                 key = tuning_key(meta["device"], scheme, DTYPE, n, k, args.group if args.group > 0 else k, m,
                                  args.asym, two_level, swap, layer_swap_block(layers[(scheme, k, n, args.group,
-                                                                                      not args.asym)][0]))
+                                                                                      not args.asym)][0]),
+                                 row["plain_copy"])
                 row["config"] = json.dumps(_cache().get(key) or "default").replace('"', "")
                 results.append(row)
                 log(f"{scheme} {shape} M={m}: {row['t_kernel_us']:.1f}us vs {row['t_cublas_us']:.1f}us "

@@ -98,7 +98,7 @@ def shape_rows(shape: str, k: int, n: int, log, schemes: list[str], ms: list[int
     for scheme in schemes:
         layers = [random_layer(k, n, GROUP, scheme) for _ in range(copies_for(weight_bytes))]
         repack = repack_for_swap if scheme == "w4a16" else repack_for_w4a8_swap
-        plain = [repack(la.qweight) for la in layers]
+        plain = [repack(la.plain_qweight()) for la in layers]
         packs = {"plain": plain} | {f"k{b}": [k_blocked(p, k, b) for p in plain] for b in LAYOUT_BLOCKS}
         for m in [m for m in ms if scheme == "w4a16" or m in WGMMA_MS]:
             t0 = time.time()
