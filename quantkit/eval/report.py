@@ -15,8 +15,6 @@ from pathlib import Path
 
 from rich.table import Table
 
-from quantkit.eval import speed
-
 PPL_KEY = "ppl"
 
 
@@ -210,12 +208,13 @@ def markdown_report(results: dict, plots: list[str]) -> str:
         ]
     if config.get("speed_batches") is not None:
         skipped = [f"{m['label']}: {m['speed']['skipped']}" for m in results["models"] if "skipped" in m["speed"]]
+        prompt = next((m["speed"]["prompt"] for m in results["models"] if "prompt" in m["speed"]), "P")
         lines += [
             "## Speed",
             "",
             "quantkit.decode.StaticDecoder's steps (q/k/v and gate/up fused, a static KV cache of "
-            f"{speed.PROMPT_TOKENS} + 1 positions, attention over all of it): one decode step of B tokens "
-            f"(decode_bB) and the prefill of one {speed.PROMPT_TOKENS}-token prompt, median of CUDA-graph replays on a "
+            f"{prompt} + 1 positions, attention over all of it): one decode step of B tokens "
+            f"(decode_bB) and the prefill of one {prompt}-token prompt, median of CUDA-graph replays on a "
             "GPU (wall clock on a CPU)"
             + (f"; decode steps through torch.compile ({config['speed_compile']})." if config.get("speed_compile")
                else "."),

@@ -1,0 +1,98 @@
+"""On a CUDA GPU only (skipped elsewhere; on the device: `python -P -m pytest -q tests/test_cuda.py`): QuantLinears
+moved to the GPU as users move them run the compiled kernels right, eagerly, through torch.compile and from CUDA
+graphs, and hold one copy of the weight where quantkit.kernels.keeps_plain_copy says so."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+try:
+    from bench_kernels import random_layer
+finally:
+    sys.path.pop(0)
+
+from quantkit.kernels import keeps_plain_copy  # noqa: E402
+from quantkit.kernels.w4a16 import tile_counters  # noqa: E402
+
+K, N = 4096, 2048
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_tuning_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(tmp_path))
+
+
+@pytest.mark.parametrize(("scheme", "group"), [("w4a16", 128), ("w4a8", 128), ("w4a8", -1)])
+def test_a_layer_moved_to_the_gpu_runs_its_kernels_on_one_weight_copy(scheme: str, group: int) -> None:
+    """Built on the CPU, then .cuda(): outputs match the reference path at 1 to 300 tokens eagerly, compiled and
+    replayed from a graph; where the plain copy is not kept, qweight stays in host memory (state dict unchanged)
+    and the GPU holds half the packed bytes a plain copy would add."""
+    layer = random_layer(K, N, group, scheme, bias=True, device="cpu")
+    packed = layer.qweight.clone()
+    tile_counters(torch.device("cuda"))  # once per device: not the layer's
+    before = torch.cuda.memory_allocated()
+    layer.cuda()
+    on_gpu = torch.cuda.memory_allocated() - before
+    lean = not keeps_plain_copy(layer.scales.device)
+    assert (layer.qweight.device.type == "cpu") == lean
+    assert torch.equal(layer.state_dict()["qweight"].cpu(), packed)
+    extra = sum(t.nbytes for t in (layer.scales, layer.zeros, layer.bias)) + (
+        0 if layer.channel_scales is None else layer.channel_scales.nbytes)
+    copies = on_gpu / packed.nbytes - extra / packed.nbytes
+    assert copies < (1.3 if lean else 2.3), f"{on_gpu} bytes on the GPU for {packed.nbytes} packed"
+    tolerance = 2e-3 if scheme == "w4a16" else 1e-2
+    compiled = torch.compile(layer, fullgraph=True)
+    for m in (1, 5, 64, 300):
+        x = torch.randn(m, K, device="cuda", dtype=torch.float16)
+        ref = layer.reference_forward(x)
+        assert relative_error(layer(x), ref) < tolerance, m
+        assert relative_error(compiled(x), ref) < tolerance, m
+    x = torch.randn(16, K, device="cuda", dtype=torch.float16)
+    layer(x)  # tuned outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert relative_error(out, layer.reference_forward(x)) < tolerance
+    layer.cpu()
+    assert layer._kernel is None and layer.qweight.device.type == "cpu"
+    layer.cuda()
+    assert relative_error(layer(x), layer.reference_forward(x)) < tolerance
+
+
+def test_a_compiled_decoder_step_on_quantized_layers_matches_the_eager_one() -> None:
+    """quantkit.decode on a GPU: fused quantized q/k/v and gate/up, torch.compile(fullgraph) of a whole step."""
+    from test_adapters import tiny_model
+
+    from quantkit.config import QuantConfig
+    from quantkit.data import CalibrationSet
+    from quantkit.decode import StaticDecoder
+    from quantkit.engine import quantize_model
+    from quantkit.eval.speed import compiled_step
+    from quantkit.models import get_adapter
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    quantize_model(model, get_adapter(model), CalibrationSet(ids, torch.ones_like(ids)),
+                   QuantConfig(method="rtn", group_size=32), device="cpu", show_progress=False)
+    model.cuda().half()
+    decoder = StaticDecoder(model, batch_size=2, max_len=16)
+    prompt = ids[:2, :8].cuda()
+    decoder(prompt, torch.arange(8, device="cuda"))
+    step_ids, position = ids[:2, 8:9].cuda(), torch.tensor([8], device="cuda")
+    eager = decoder(step_ids, position).float()
+    decoder(prompt, torch.arange(8, device="cuda"))
+    compiled = compiled_step(decoder)(step_ids, position).float()
+    assert relative_error(compiled, eager) < 2e-2
