@@ -23,6 +23,7 @@ Writes e2e.json and e2e.md (date, device, command, commit) into --out.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import sys
@@ -215,6 +216,8 @@ def markdown(meta: dict, results: dict) -> str:
             share = f" ({row['roof_fraction']:.0%})" if row.get("roof_fraction") is not None else ""
             read = f"{row['GBps']:.0f}{share}" if "GBps" in row else ""
             lines.append(f"| {scheme} | {cell} | {row['ms']:.3f} | {row['tokens_per_s']:.0f} | {speedup:.2f}x | {read} |")
+    lines += ["", "GPU memory once built (weights, the cache of one sequence): " + ", ".join(
+        f"{scheme} {rows['gpu_GB']:.2f} GB" for scheme, rows in results.items() if "gpu_GB" in rows)]
     checks = {scheme: rows["check"] for scheme, rows in results.items()}
     lines += ["", "Kernels against the reference path (one decode step's logits): "
               + "; ".join(f"{s} rel. err {c['rel_err']:.1e} (prefill {c['prefill_rel_err']:.1e}), same top token "
@@ -249,16 +252,20 @@ def main() -> int:
         if scheme != "fp16":
             quantize_randomly(model, scheme, args.group)
         decoder = StaticDecoder(model, batch_size=1, max_len=args.prompt + DECODE_SLACK)
-        log(f"{scheme} [{time.time() - t0:.0f}s to build]")
+        gc.collect()
+        torch.cuda.empty_cache()
+        memory = torch.cuda.memory_allocated() / 1e9
+        log(f"{scheme} [{time.time() - t0:.0f}s to build; {memory:.2f} GB on the GPU]")
         results[scheme] = time_scheme(decoder, args.batches, args.compiled_batches, args.prompt, config.vocab_size,
                                       log, args.profile)
+        results[scheme]["gpu_GB"] = memory
         check = results[scheme]["check"] = check_step(decoder, args.prompt, config.vocab_size)
         log(f"  check: {check}")
         layers = results[scheme]["check_layers"] = check_layers(decoder, (*args.batches, args.prompt))
         failures += sum(not entry["rel_err"] < LAYER_TOLERANCE for entry in layers.values())
         log(f"  layers: {layers}")
         del decoder
-        torch.cuda.empty_cache()  # the fp16 weights quantize_randomly dropped, the fused copies
+        torch.cuda.empty_cache()  # the fused copies
         (args.out / "e2e.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     (args.out / "e2e.md").write_text(markdown(meta, results))
     return int(failures > 0)

@@ -35,9 +35,14 @@ DECODER_ARCHS = {"llama": DecoderArch(), "mistral": DecoderArch(), "qwen2": Deco
 
 def fuse_linears(linears: list[nn.Module]) -> nn.Module:
     """One linear whose output is the given linears' outputs side by side (q/k/v, gate/up). nn.Linear sources keep
-    their parameters as views of the fused ones (fusing a 16-bit model costs no memory)."""
+    their parameters as views of the fused ones (fusing a 16-bit model costs no memory); QuantLinear sources drop
+    their kernel forward and the GPU copy of the weight it holds (they compute on the reference path until their
+    prepare_kernels() runs again, or the model moves): the GPU holds the fused layer's copy alone."""
     if all(isinstance(linear, QuantLinear) for linear in linears):
-        return QuantLinear.concatenated(linears)
+        fused = QuantLinear.concatenated(linears)
+        for linear in linears:
+            linear.release_kernels()
+        return fused
     if not all(type(linear) is nn.Linear for linear in linears):
         raise ValueError(f"cannot fuse {sorted({type(linear).__name__ for linear in linears})}: all nn.Linear or "
                          "all QuantLinear")

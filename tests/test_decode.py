@@ -69,6 +69,7 @@ def test_greedy_generation_matches_transformers() -> None:
 
 
 def test_fused_quantlinear_outputs_are_the_sources_side_by_side() -> None:
+    """The sources drop their kernel forwards (and its weight copy) and keep computing the same function."""
     torch.manual_seed(0)
     layers = []
     for out, bias in ((24, True), (8, False)):
@@ -79,8 +80,10 @@ def test_fused_quantlinear_outputs_are_the_sources_side_by_side() -> None:
         layer.channel_scales.copy_(torch.rand(out) / 100)
         if bias:
             layer.bias.copy_(torch.randn(out))
+        layer._kernel = lambda x: x  # a kernel forward (CPU here): the fused layer's copy takes over
         layers.append(layer)
     fused = fuse_linears(layers)
+    assert [layer._kernel for layer in layers] == [None, None]
     x = torch.randn(3, 64)
     assert torch.equal(fused.dequantized_weight(), torch.cat([layer.dequantized_weight() for layer in layers]))
     torch.testing.assert_close(fused(x), torch.cat([layer(x) for layer in layers], dim=-1), atol=1e-5, rtol=1e-5)

@@ -183,6 +183,11 @@ class QuantLinear(nn.Module):
         if self._kernel is not None:
             self.qweight = self._kernel.plain_qweight
 
+    def release_kernels(self) -> None:
+        """Drop the kernel forward and the weight copy it holds (qweight stays where it is: the reference path
+        reads it from there)."""
+        self._kernel = None
+
     def plain_qweight(self) -> torch.Tensor:
         """qweight on the layer's device (the scales'), wherever it is kept."""
         return self.qweight.to(self.scales.device)
