@@ -80,8 +80,8 @@ def awq_results(setup, recorder):
 # thresholds, 2026-12-05; 2.546 with 50, for twice the search time). With 25 thresholds g64 lost (2.372 vs 2.340,
 # two threads), and so it did with 100 on 2 sequences of 512 tokens (2.361) and came within 0.016 with 50 on 4
 # sequences (2.370, 2026-12-05). The whole suite with these settings (2026-12-05): 2.342 vs 2.390 (g64), 2.548 vs
-# 2.611 (per channel); AWQ 2.276 vs RTN 2.385. The default refined search (reference rule, 33-43 losses per group instead of 51)
-# measured 2.323 and 2.368 (2026-12-05) at g64 and 2.597 per channel: too thin a margin to pin.
+# 2.611 (per channel); AWQ 2.276 vs RTN 2.385. The default refined search (reference rule, 33-43 losses per
+# group instead of 51) measured 2.323 and 2.368 (2026-12-05) at g64 and 2.597 per channel: too thin a margin to pin.
 QQQ_OPTIONS = {"smooth_samples": 8, "smooth_search": "grid"}
 QQQ_THRESHOLDS = {64: 50, -1: 25}
 
