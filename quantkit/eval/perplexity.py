@@ -7,6 +7,23 @@ import math
 import torch
 from torch import nn
 
+# logits per cross-entropy call in summed_nll: its fp32 copy and log-softmax temporaries (16 MiB) stay in cache
+NLL_CHUNK_ELEMENTS = 2**22
+
+
+def summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Sum over positions of -log softmax(logits)[target], logits [B, T, V], targets [B, T]. In slices of a few
+    rows per window: one cross-entropy over all of them would first copy the sliced logits into one
+    contiguous [B*T, V] fp32 tensor and then its log-softmax, each 2 GiB for Gemma-3's 262k vocabulary on 4
+    windows of 512 tokens; by slices, perplexity ran ~3x faster past the model's forward on a CPU."""
+    rows = max(1, NLL_CHUNK_ELEMENTS // logits.shape[-1])
+    total = 0.0
+    for window, window_targets in zip(logits, targets, strict=True):
+        for start in range(0, window.shape[0], rows):
+            total += nn.functional.cross_entropy(window[start:start + rows].float(),
+                                                 window_targets[start:start + rows], reduction="sum").item()
+    return total
+
 
 @torch.no_grad()
 def perplexity(
@@ -32,11 +49,8 @@ def perplexity(
         batch = windows[start:start + batch_size].to(device)
         if bos is not None:  # every window starts like a document, as the model was trained
             batch = torch.cat([torch.full_like(batch[:, :1], bos), batch], dim=1)
-        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-        targets = batch[:, 1:]
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                           reduction="sum")
-        nll += loss.item()
-        count += targets.numel()
+        logits = model(input_ids=batch, use_cache=False).logits
+        nll += summed_nll(logits[:, :-1], batch[:, 1:])
+        count += batch[:, 1:].numel()
     return {"ppl": math.exp(nll / count), "nll": nll / count, "tokens": count, "windows": n_windows,
             "seqlen": seqlen}
