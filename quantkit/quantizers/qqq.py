@@ -96,18 +96,14 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda and a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0:  # what CUDA _int_mm takes
         return torch._int_mm(a, b)
     wide = torch.float32 if a.device.type == "cpu" else torch.float64  # CUDA fp32 matmuls may round to TF32
-    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32, device=a.device)
-    for start in range(0, a.shape[1], EXACT_FP32_PRODUCTS):
-        end = start + EXACT_FP32_PRODUCTS
-        out += (a[:, start:end].to(wide) @ b[start:end].to(wide)).to(torch.int32)
-    return out
+    return _int_valued_matmul(a.to(wide), b.to(wide)).to(torch.int32)
 
 
 def _int_valued_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """int8_matmul on the CPU for int8 values held in fp32 (a [M, K], b [K, N]): its int32 sums, each in fp32 when
-    K <= EXACT_FP32_PRODUCTS (exact), else in float64 (exact too). Converting the result to a floating dtype
-    then rounds once, as converting int8_matmul's would: the same numbers without its int8 -> fp32 -> int32
-    round trips, which cost a third of a smoothing-loss evaluation's time on a CPU."""
+    """int8_matmul's sums for int8 values held in fp32 or float64 (a [M, K], b [K, N]), exactly: one matmul when
+    K <= EXACT_FP32_PRODUCTS, else K slices that short summed in float64. On the CPU the smoothing loss keeps its
+    int8 values in fp32 and converts the result to a floating dtype (one rounding, as converting int8_matmul's
+    would): int8 -> fp32 -> int32 round trips per call cost a third of a loss evaluation's time there."""
     if a.shape[1] <= EXACT_FP32_PRODUCTS:
         return a @ b
     out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
