@@ -234,9 +234,11 @@ def candidates(scheme: str, m: int, n: int, k: int, group: int, swap: bool = Fal
     if plain or not swap:
         return out
     only = [c for c in out if c["kernel"] in SWAP_LAYOUT_KERNELS]
+    if only:
+        return only
     # none (many tokens, no Gluon): the swap kernel's largest token tiles, which take any M
     largest = swap_candidates(scheme, min(m, 512), n, k, group) or swap_candidates(scheme, min(m, 64), n, k, group)
-    return only or [c for c in largest if _fits(c, k, group) and fits_swap_block(c, swap_block)]
+    return [c for c in largest if _fits(c, k, group) and fits_swap_block(c, swap_block)]
 
 
 def swap_layout_serves(scheme: str, n: int, k: int, group: int, hopper: bool, fp16: bool, swap_block: int | None
