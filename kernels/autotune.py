@@ -437,16 +437,16 @@ def pick_config(scheme: str, x: torch.Tensor, n: int, k: int, group: int, run: C
     """The config for this call: cached, else tuned (timing run(config) for each candidate whose output matches
     reference(), when given and finite; REFERENCE if none does), else default."""
     m = x.shape[0]
+    tuned = x.is_cuda and tuning_enabled()
+    if tuned:  # the cache first: every eager call of a layer comes here, the candidates are needed only to tune
+        key = tuning_key(torch.cuda.get_device_name(x.device), scheme, x.dtype, n, k, group, m, zeros, two_level,
+                         swap, swap_block, plain)
+        cached = _cache().get(key)
+        if cached is not None:
+            return cached
     options = candidates(scheme, m, n, k, group, swap, hopper_gluon(x.device), x.dtype == torch.float16, swap_block,
                          plain)
-    if not (x.is_cuda and tuning_enabled()):
-        return options[0]
-    key = tuning_key(torch.cuda.get_device_name(x.device), scheme, x.dtype, n, k, group, m, zeros, two_level, swap,
-                     swap_block, plain)
-    cached = _cache().get(key)
-    if cached is not None:
-        return cached
-    if torch.cuda.is_current_stream_capturing():
+    if not tuned or torch.cuda.is_current_stream_capturing():
         return options[0]
     expected = reference().float() if reference is not None else None
     if expected is not None and bool(torch.isfinite(expected).all()):  # else nothing to judge by
