@@ -1,7 +1,8 @@
 """End-to-end speed of a Llama-3-8B-shaped model: fp16 against quantkit's W4A16 / W4A8 layers on their kernels.
 
     source benchmarks/device_env.sh; QUANTKIT_COMMIT=<commit> python benchmarks/bench_e2e.py --out DIR \
-        [--schemes w4a16 w4a8] [--batches 1 16] [--compiled-batches 1] [--profile] [--prompt 512] [--layers 32]
+        [--schemes w4a16 w4a8] [--batches 1 16] [--compiled-batches 1] [--profile] [--compare-attention] \
+        [--prompt 512] [--layers 32]
 
 Random weights (speed does not depend on their values): the fp16 model from Llama-3-8B's config, then each scheme's
 random QuantLinears (g128 symmetric; W4A8 with QQQ's two-level scales, bench_kernels.random_layer) in place of every
@@ -10,10 +11,12 @@ gate/up fused, as serving engines fuse them; a static KV cache of prompt + 64 po
 - decode: one step of `batch` tokens at position `prompt`, captured in a CUDA graph and replayed (median ms per
   step), tokens/s, and the bytes a step must read (linear weights and scales, lm_head, the whole cache) per second
   (on an H200 against its 4.25 TB/s copy roof); for --compiled-batches also through torch.compile (fullgraph), whose
-  fused kernels replace the small ones around the linears (--profile: their GPU time by kind of kernel);
+  fused kernels replace the small ones around the linears (--profile: their GPU time by kind of kernel;
+  --compare-attention: the compiled step again with SDPA in place of quantkit's decode attention kernel);
 - prefill: `prompt` tokens of one sequence, graph-replayed the same way (lm_head on the last token only);
-- check: the first layer's linears alone at each token count, kernels against their reference path (dequantized
-  weights, F.linear; the run fails above LAYER_TOLERANCE), and the whole model's logits of a prefill and a decode step
+- check: the decode attention kernel against float64 at this model's decode shapes (the run fails above
+  ATTENTION_TOLERANCE); the first layer's linears alone at each token count, kernels against their reference path
+  (dequantized weights, F.linear; the run fails above LAYER_TOLERANCE), and the whole model's logits of a prefill and a decode step
   on each path (relative errors, top token, non-finite logits: reported).
 The fp16 model runs first in the same process: every speedup is against it. Kernels tune on their first (eager) call
 per shape and token count, outside the graphs; QUANTKIT_CACHE_DIR keeps the tuned configs for the next run.
@@ -45,6 +48,7 @@ DECODE_SLACK = 64  # cache positions after the prompt
 # whole model's logits are only reported: through 32 random layers W4A8's per-token int8 roundings flip where the two
 # paths differ by an fp16 ulp, and the flips compound (H100: 29% at the logits from 4e-4 per layer; W4A16 1%)
 LAYER_TOLERANCE = 2e-3
+ATTENTION_TOLERANCE = 2e-3  # relative error of the decode attention kernel's output against float64
 WEIGHT_STD = 0.02  # transformers' initializer_range for Llama: the fp16 model's weights
 
 
@@ -174,8 +178,27 @@ def kernel_breakdown(step, steps: int = 5) -> dict:
     return {"us_per_step": kinds, "total_us": sum(kinds.values()), "top": [[name[:120], us] for name, us in top]}
 
 
+def check_decode_attention(decoder: StaticDecoder, batches: list[int], prompt: int) -> dict:
+    """The decode attention kernel on random q and caches of the decoder's shapes, a step at position prompt,
+    against float64: relative error per batch size (empty when the decoder runs SDPA)."""
+    from quantkit.kernels.decode_attention import decode_attention_reference
+
+    if decoder.decode_attention is None:
+        return {}
+    errors = {}
+    rows = decoder.heads // decoder.kv_heads
+    for batch in batches:
+        q, k, v = (torch.randn(batch, decoder.kv_heads, n, decoder.head_dim, device="cuda", dtype=torch.float16)
+                   for n in (rows, decoder.max_len, decoder.max_len))
+        positions = torch.tensor([prompt], device="cuda")
+        out = decoder.decode_attention(q, k, v, positions, decoder.head_dim ** -0.5).double()
+        ref = decode_attention_reference(q, k, v, positions, decoder.head_dim ** -0.5).double()
+        errors[f"b{batch}"] = ((out - ref).norm() / ref.norm()).item()
+    return errors
+
+
 def time_scheme(decoder: StaticDecoder, batches: list[int], compiled_batches: list[int], prompt: int, vocab: int,
-                log, profile: bool = False) -> dict:
+                log, profile: bool = False, compare_attention: bool = False) -> dict:
     """Decode steps at each batch size, the same compiled (torch.compile fuses the norms, rotary and residual adds
     around the linears, gpt-fast's way; the quantized linears stay opaque custom ops), and the prefill."""
     rows = {f"decode_b{batch}": time_decode(decoder, decoder, batch, prompt, vocab, f"decode batch {batch}", log)
@@ -193,6 +216,11 @@ def time_scheme(decoder: StaticDecoder, batches: list[int], compiled_batches: li
             position = torch.tensor([prompt], device="cuda")
             row["kernels"] = kernel_breakdown(lambda s=step, i=ids, p=position: s(i, p))
             log(f"  kernels per compiled step (us): {row['kernels']['us_per_step']}; top {row['kernels']['top'][:5]}")
+        if compare_attention and decoder.decode_attention is not None:
+            kernel, decoder.decode_attention = decoder.decode_attention, None
+            rows[f"decode_b{batch}_compiled_sdpa"] = time_decode(
+                compiled_step(decoder), decoder, batch, prompt, vocab, f"decode batch {batch}, compiled, SDPA", log)
+            decoder.decode_attention = kernel
     decoder.new_cache(1)
     ids = torch.randint(0, vocab, (1, prompt), device="cuda")
     positions = torch.arange(prompt, device="cuda")
@@ -218,6 +246,10 @@ def markdown(meta: dict, results: dict) -> str:
             lines.append(f"| {scheme} | {cell} | {row['ms']:.3f} | {row['tokens_per_s']:.0f} | {speedup:.2f}x | {read} |")
     lines += ["", "GPU memory once built (weights, the cache of one sequence): " + ", ".join(
         f"{scheme} {rows['gpu_GB']:.2f} GB" for scheme, rows in results.items() if "gpu_GB" in rows)]
+    attention = results.get("fp16", {}).get("check_attention")
+    if attention:
+        lines += ["", "Decode attention kernel against float64 (relative error): "
+                  + ", ".join(f"{cell} {err:.1e}" for cell, err in attention.items())]
     checks = {scheme: rows["check"] for scheme, rows in results.items()}
     lines += ["", "Kernels against the reference path (one decode step's logits): "
               + "; ".join(f"{s} rel. err {c['rel_err']:.1e} (prefill {c['prefill_rel_err']:.1e}), same top token "
@@ -235,6 +267,8 @@ def main() -> int:
                         help="decode batch sizes also timed through torch.compile (compiles once per scheme each)")
     parser.add_argument("--profile", action="store_true",
                         help="compiled steps: GPU time per kind of kernel (torch.profiler), into the results")
+    parser.add_argument("--compare-attention", action="store_true",
+                        help="compiled steps: also with SDPA in place of the decode attention kernel")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--group", type=int, default=128)
@@ -257,8 +291,12 @@ def main() -> int:
         memory = torch.cuda.memory_allocated() / 1e9
         log(f"{scheme} [{time.time() - t0:.0f}s to build; {memory:.2f} GB on the GPU]")
         results[scheme] = time_scheme(decoder, args.batches, args.compiled_batches, args.prompt, config.vocab_size,
-                                      log, args.profile)
+                                      log, args.profile, args.compare_attention)
         results[scheme]["gpu_GB"] = memory
+        if scheme == "fp16":
+            attention = results[scheme]["check_attention"] = check_decode_attention(decoder, args.batches, args.prompt)
+            failures += sum(not err < ATTENTION_TOLERANCE for err in attention.values())
+            log(f"  decode attention kernel vs float64: {attention}")
         check = results[scheme]["check"] = check_step(decoder, args.prompt, config.vocab_size)
         log(f"  check: {check}")
         layers = results[scheme]["check_layers"] = check_layers(decoder, (*args.batches, args.prompt))

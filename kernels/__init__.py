@@ -119,6 +119,28 @@ def w4a8_run(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tenso
 SWAP_BLOCK = {16: 512, 8: 128}
 
 
+DECODE_ATTENTION_ROWS = 64  # query rows per kv head (group x tokens) the decode attention kernel takes
+
+
+def decode_attention_takes(head_dim: int) -> bool:
+    """Whether the decode attention kernel takes this head size (a power of two: its tiles span the head)."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
+def decode_attention_for(device: torch.device, head_dim: int) -> Callable[..., torch.Tensor] | None:
+    """The decode attention op (kernels/decode_attention.py; q [B, KVH, rows, D], caches, positions, scale) for a
+    static-cache decoder on this device: on CUDA (on CPU only under TRITON_INTERPRET=1) with Triton and a head
+    size it takes; None otherwise or with QUANTKIT_DECODE_ATTENTION=0 (then the decoder runs SDPA)."""
+    if (os.environ.get("QUANTKIT_DECODE_ATTENTION", "1") == "0" or not decode_attention_takes(head_dim)
+            or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")):
+        return None
+    try:
+        from .decode_attention import decode_attention_op
+    except ImportError:  # no Triton
+        return None
+    return decode_attention_op
+
+
 def swap_weight_for(layer: torch.nn.Module, symmetric: bool) -> torch.Tensor | None:
     """The swap kernels' copy of a layer's weight, on the scales' device, in K blocks of SWAP_BLOCK inputs (plain
     where K is no multiple of it), or None when the kernels cannot take the layer or QUANTKIT_SWAP_KERNEL=0."""

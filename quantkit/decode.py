@@ -7,7 +7,9 @@ gate/up each fused into one linear as serving engines fuse them, and its own att
 - the cache holds [batch, kv_heads, max_len, head_dim] per layer, written at the step's positions (index_copy_);
 - the query heads sharing a kv head attend as one block of rows: no copy of the cache per query head (at long
   contexts those copies would move more bytes than a 4-bit layer's weights);
-- the mask admits cache positions up to each query's, so a step reads the whole cache and its shapes never change.
+- the mask admits cache positions up to each query's, so a step's shapes never change; a decode step (at most
+  DECODE_ATTENTION_ROWS query rows per kv head) runs quantkit's split-cache kernel (kernels/decode_attention.py),
+  which reads the cache only up to the step's positions, longer steps (prefill) SDPA over the whole cache.
 Batch rows share their positions (prompts of equal length, the benchmark's case).
 """
 
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantkit.kernels import DECODE_ATTENTION_ROWS, decode_attention_for
 from quantkit.nn.qlinear import QuantLinear
 
 
@@ -107,6 +110,7 @@ class StaticDecoder:
         cos, sin = base.rotary_emb(weight[:1], torch.arange(max_len, device=weight.device)[None])
         self.cos, self.sin = cos[0], sin[0]  # [max_len, head_dim], the model's dtype: as transformers applies them
         self.slots = torch.arange(max_len, device=weight.device)
+        self.decode_attention = decode_attention_for(weight.device, self.head_dim)
         self.new_cache(batch_size)
 
     def new_cache(self, batch_size: int) -> None:
@@ -137,7 +141,10 @@ class StaticDecoder:
         cache_v.index_copy_(2, positions, v.view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2))
         group = self.heads // self.kv_heads  # query head h reads kv head h // group (transformers' repeat_kv)
         q = q.reshape(batch, self.kv_heads, group * tokens, self.head_dim)
-        out = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask, scale=layer.scaling)
+        if self.decode_attention is not None and group * tokens <= DECODE_ATTENTION_ROWS:
+            out = self.decode_attention(q, cache_k, cache_v, positions, layer.scaling)
+        else:
+            out = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask, scale=layer.scaling)
         out = out.view(batch, self.heads, tokens, self.head_dim).transpose(1, 2).reshape(batch, tokens, q_size)
         return layer.o(out)
 

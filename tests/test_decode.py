@@ -30,11 +30,13 @@ def random_ids(batch: int, tokens: int) -> torch.Tensor:
 
 def check_against_transformers(model: nn.Module, atol: float = 1e-4) -> None:
     """Prefill logits at every position, then one decode step at a time, against transformers' forward over the
-    whole sequence (no cache), fp32."""
+    whole sequence (no cache), fp32. Every step, the prefill's 7 tokens too, runs the decode attention kernel
+    (interpreted; at most DECODE_ATTENTION_ROWS query rows per kv head)."""
     ids = random_ids(2, PROMPT + STEPS)
     with torch.no_grad():
         expected = model(ids).logits
     decoder = StaticDecoder(model, batch_size=2, max_len=16)
+    assert decoder.decode_attention is not None
     logits = decoder(ids[:, :PROMPT], torch.arange(PROMPT))
     torch.testing.assert_close(logits, expected[:, :PROMPT], atol=atol, rtol=0)
     for position in range(PROMPT, PROMPT + STEPS):
@@ -151,9 +153,10 @@ def test_fusing_16_bit_linears_shares_their_memory() -> None:
     torch.testing.assert_close(torch.cat([linear(x) for linear in linears], dim=-1), expected, atol=0, rtol=0)
 
 
-def test_eval_speed_times_each_model_and_reports_speedups(tmp_path) -> None:
+def test_eval_speed_times_each_model_and_reports_speedups(tmp_path, monkeypatch) -> None:
     """`quantkit eval --speed` (run_eval's speed_batches): decode steps at each batch size and a prefill per model
     (wall clock on CPU), the speedup over the first model, and a clear note for a model StaticDecoder cannot run."""
+    monkeypatch.setenv("QUANTKIT_DECODE_ATTENTION", "0")  # SDPA: the interpreted kernel would take ~30 s here
     models = {"base": tiny_model("llama"), "w4": tiny_model("llama"), "gemma": tiny_model("gemma3")}
     results = run_eval(list(models), texts=[], tasks=[], limit=None, num_fewshot=None, generations=False,
                        report_dir=tmp_path, json_path=None, batch_size=1, device="cpu", console=Console(quiet=True),

@@ -1,0 +1,141 @@
+"""Decode attention over a static KV cache, split along the cache (flash-decoding).
+
+A decode step has a few query rows per kv head and a cache of hundreds to thousands of slots: one program per kv
+head would leave most SMs idle, so each (kv head, cache chunk) pair gets its own program.
+
+Shapes (quantkit.decode.StaticDecoder's): q [B, KVH, R, D] with R = group * tokens rows (row r = g * tokens + t is
+query head kvh * group + g at the step's token t), cache_k / cache_v [B, KVH, L, D], positions [tokens] (int64):
+row r attends to cache slots 0..positions[r % tokens]. Output [B, KVH, R, D] in q's dtype.
+
+Step 1 (`_decode_attention_partial`, grid (B * KVH, splits)): a program runs an online softmax over its chunk of
+the cache in BLOCK_L-slot tiles (q k^T and p v on tensor cores, fp32 accumulation, p rounded to the cache's dtype for
+the second product as flash attention does; fp32 under Triton's CPU interpreter, whose bf16 tl.dot is wrong) and
+writes its rows' normalised partial output and log-sum-exp; a chunk past every row's position reads nothing and
+writes lse = -inf.
+Step 2 (`_decode_attention_combine`, one program per row): out = sum_s w_s out_s / sum_s w_s with
+w_s = exp(lse_s - max lse).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import DECODE_ATTENTION_ROWS, decode_attention_takes
+from .w4a16 import _interpreting
+
+BLOCK_L = 64  # cache slots per tile
+PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _decode_attention_partial(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, lse_ptr, scale, rows, tokens, length, chunk,
+                              HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
+                              UPCAST_DOT: tl.constexpr):
+    head, split = tl.program_id(0), tl.program_id(1)
+    heads = tl.num_programs(0)
+    r = tl.arange(0, BLOCK_R)
+    d = tl.arange(0, HEAD_DIM)
+    live = r < rows
+    pos = tl.load(pos_ptr + r % tokens, mask=live, other=-1)
+    q = tl.load(q_ptr + (head * rows + r)[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    start = split * chunk
+    stop = tl.minimum(tl.minimum(start + chunk, length), tl.max(pos, 0) + 1)
+    cache = head.to(tl.int64) * length * HEAD_DIM
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
+    for first in range(start, stop, BLOCK_L):
+        slots = first + tl.arange(0, BLOCK_L)
+        offsets = cache + slots[:, None] * HEAD_DIM + d[None, :]
+        inside = (slots < stop)[:, None]
+        k = tl.load(k_ptr + offsets, mask=inside, other=0.0)
+        v = tl.load(v_ptr + offsets, mask=inside, other=0.0)
+        if UPCAST_DOT:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(slots[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no slot yet: exp(-inf) = 0, not NaN
+        p = tl.exp(s - shift[:, None])
+        rescale = tl.exp(m - shift)
+        total = total * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    seen = total > 0
+    lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    row = (split * heads + head) * rows + r
+    tl.store(lse_ptr + row, lse, mask=live)
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=live[:, None])
+
+
+@triton.jit
+def _decode_attention_combine(part_ptr, lse_ptr, out_ptr, all_rows, splits, HEAD_DIM: tl.constexpr,
+                              BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, HEAD_DIM)
+    used = s < splits
+    lse = tl.load(lse_ptr + s * all_rows + row, mask=used, other=float("-inf"))
+    weight = tl.exp(lse - tl.max(lse, 0))  # split 0 always holds slot 0: the max is finite
+    parts = tl.load(part_ptr + (s * all_rows + row)[:, None] * HEAD_DIM + d[None, :], mask=used[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+
+
+def split_count(heads: int, length: int, device: torch.device) -> int:
+    """Cache chunks per kv head: enough programs for PROGRAMS_PER_SM per SM, at least one tile each."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, heads), triton.cdiv(length, BLOCK_L)))
+
+
+def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
+                     scale: float, splits: int | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked to slots <= each row's position) v; shapes in the module docstring."""
+    batch, kv_heads, rows, head_dim = q.shape
+    length, tokens = cache_k.shape[2], positions.shape[0]
+    if not decode_attention_takes(head_dim) or rows > DECODE_ATTENTION_ROWS or rows % tokens:
+        raise ValueError(f"decode attention takes head_dim a power of two in [16, 256] and at most "
+                         f"{DECODE_ATTENTION_ROWS} rows "
+                         f"of whole tokens per kv head, not head_dim {head_dim}, {rows} rows, {tokens} tokens")
+    if cache_k.shape != (batch, kv_heads, length, head_dim) or cache_v.shape != cache_k.shape:
+        raise ValueError(f"caches {tuple(cache_k.shape)} / {tuple(cache_v.shape)} do not match q {tuple(q.shape)}")
+    heads = batch * kv_heads
+    splits = splits or split_count(heads, length, q.device)
+    chunk = triton.cdiv(triton.cdiv(length, splits), BLOCK_L) * BLOCK_L
+    splits = triton.cdiv(length, chunk)
+    q, cache_k, cache_v = q.contiguous(), cache_k.contiguous(), cache_v.contiguous()
+    parts = torch.empty(splits, heads, rows, head_dim, device=q.device, dtype=torch.float32)
+    lse = torch.empty(splits, heads, rows, device=q.device, dtype=torch.float32)
+    _decode_attention_partial[(heads, splits)](
+        q, cache_k, cache_v, positions, parts, lse, scale, rows, tokens, length, chunk, HEAD_DIM=head_dim,
+        BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_L=BLOCK_L,
+        UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(), num_warps=4)
+    out = torch.empty_like(q)
+    _decode_attention_combine[(heads * rows,)](parts, lse, out, heads * rows, splits, HEAD_DIM=head_dim,
+                                               BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+    return out
+
+
+@torch.library.custom_op("quantkit::decode_attention", mutates_args=())
+def decode_attention_op(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """decode_attention as a custom op: torch.compile calls it as one opaque kernel pair."""
+    return decode_attention(q, cache_k, cache_v, positions, scale)
+
+
+decode_attention_op.register_fake(lambda q, *args: q.new_empty(q.shape))
+
+
+def decode_attention_reference(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                               positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same in float64 with an explicit mask (the tests' reference)."""
+    rows, tokens = q.shape[2], positions.shape[0]
+    row_positions = positions[torch.arange(rows, device=q.device) % tokens]
+    mask = torch.arange(cache_k.shape[2], device=q.device)[None] <= row_positions[:, None]
+    scores = (q.double() @ cache_k.double().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ cache_v.double()).to(q.dtype)

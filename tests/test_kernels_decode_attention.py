@@ -1,0 +1,102 @@
+"""The split-cache decode attention kernel (kernels/decode_attention.py) against float64 attention, under Triton's
+interpreter; its sm_90 compile (tensor-core mma, no spills); the errors for what it cannot take."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from quantkit.kernels import decode_attention_for
+from quantkit.kernels.decode_attention import BLOCK_L, decode_attention, decode_attention_reference
+from test_kernels_w4a16 import compile_for_sm90
+
+
+def attention_inputs(batch: int, kv_heads: int, rows: int, length: int, head_dim: int, dtype: torch.dtype,
+                     seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, kv_heads, n, head_dim, generator=gen).to(dtype) for n in (rows, length, length))
+    return q, k, v
+
+
+@pytest.fixture
+def poisoned_buffers(monkeypatch):
+    """Every buffer the kernels allocate starts as NaN: a row or split left unwritten shows in the output."""
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(math.nan))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: empty_like(*a, **kw).fill_(math.nan))
+
+
+# (batch, kv heads, query heads per kv head, tokens, cache length, head dim, positions): GQA groups of 1 / 3 / 4,
+# odd row counts, caches of one tile, of a partial last tile and of several chunks, positions at a chunk's first
+# and last slots, several tokens of one step at consecutive positions (a prefill's rows).
+CASES = [
+    (1, 2, 4, 1, 200, 64, [137]),
+    (2, 1, 3, 2, 130, 32, [63, 64]),
+    (1, 2, 1, 3, 64, 16, [0, 1, 2]),
+    (1, 1, 5, 1, 300, 128, [299]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_decode_attention_matches_float64(poisoned_buffers, case, dtype: torch.dtype, splits: int | None) -> None:
+    batch, kv_heads, group, tokens, length, head_dim, positions = case
+    q, k, v = attention_inputs(batch, kv_heads, group * tokens, length, head_dim, dtype)
+    positions = torch.tensor(positions)
+    out = decode_attention(q, k, v, positions, head_dim ** -0.5, splits)
+    expected = decode_attention_reference(q, k, v, positions, head_dim ** -0.5)
+    assert out.dtype == dtype and not out.isnan().any()
+    tol = 2e-3 if dtype == torch.float16 else 1.6e-2  # p rounded to the cache's dtype, out to q's
+    torch.testing.assert_close(out.double(), expected.double(), atol=tol, rtol=tol)
+
+
+def test_slots_past_a_rows_position_do_not_count() -> None:
+    """Garbage (huge values) after each row's position in the cache leaves the output as it is."""
+    q, k, v = attention_inputs(1, 2, 8, 3 * BLOCK_L, 32, torch.float16)
+    positions = torch.tensor([70, 71])
+    clean = decode_attention(q, k, v, positions, 0.2)
+    k[:, :, 72:], v[:, :, 72:] = 1e4, -1e4
+    torch.testing.assert_close(decode_attention(q, k, v, positions, 0.2), clean, atol=0, rtol=0)
+
+
+def test_what_the_kernel_cannot_take_fails_clearly(monkeypatch) -> None:
+    q, k, v = attention_inputs(1, 1, 4, 64, 48, torch.float16)
+    with pytest.raises(ValueError, match="head_dim a power of two"):
+        decode_attention(q, k, v, torch.tensor([3]), 1.0)
+    q, k, v = attention_inputs(1, 1, 65, 64, 32, torch.float16)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        decode_attention(q, k, v, torch.tensor([3]), 1.0)
+    q, k, v = attention_inputs(1, 1, 4, 64, 32, torch.float16)
+    with pytest.raises(ValueError, match="do not match"):
+        decode_attention(q, k[:, :, :, :16], v, torch.tensor([3]), 1.0)
+    assert decode_attention_for(torch.device("cpu"), 48) is None  # the decoder keeps SDPA
+    assert decode_attention_for(torch.device("cpu"), 64) is not None  # CPU: only under the interpreter (conftest)
+    monkeypatch.setenv("QUANTKIT_DECODE_ATTENTION", "0")
+    assert decode_attention_for(torch.device("cpu"), 64) is None
+
+
+DECODE_ATTENTION_COMPILE = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from quantkit.kernels.decode_attention import _decode_attention_partial
+from quantkit.kernels.sm90 import ptxas_report
+
+for dtype in ("fp16", "bf16"):
+    sig = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "pos_ptr": "*i64", "part_ptr": "*fp32",
+           "lse_ptr": "*fp32", "scale": "fp32", "rows": "i32", "tokens": "i32", "length": "i32", "chunk": "i32",
+           "HEAD_DIM": "constexpr", "BLOCK_R": "constexpr", "BLOCK_L": "constexpr", "UPCAST_DOT": "constexpr"}
+    consts = {"HEAD_DIM": 128, "BLOCK_R": 16, "BLOCK_L": 64, "UPCAST_DOT": False}
+    source = ASTSource(fn=_decode_attention_partial, signature=sig, constexprs=consts)
+    kernel = compile(source, target=GPUTarget("cuda", 90, 32))
+    ptx = kernel.asm["ptx"]
+    assert "mma.sync" in ptx or "wgmma" in ptx, "q k^T and p v not on tensor cores"
+    report = ptxas_report(ptx)
+    assert report["spill_bytes"] == 0, report["text"][-2000:]
+print("compiled")
+"""
+
+
+def test_decode_attention_compiles_for_sm90_on_tensor_cores() -> None:
+    compile_for_sm90(DECODE_ATTENTION_COMPILE)
