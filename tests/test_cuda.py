@@ -1,6 +1,7 @@
 """On a CUDA GPU only (skipped elsewhere; on the device: `python -P -m pytest -q tests/test_cuda.py`): QuantLinears
 moved to the GPU as users move them run the compiled kernels right, eagerly, through torch.compile and from CUDA
-graphs, and hold one copy of the weight where quantkit.kernels.keeps_plain_copy says so."""
+graphs, and hold one copy of the weight where quantkit.kernels.keeps_plain_copy says so; the decode attention kernel
+against float64, eagerly and from a graph."""
 
 from __future__ import annotations
 
@@ -96,3 +97,23 @@ def test_a_compiled_decoder_step_on_quantized_layers_matches_the_eager_one() -> 
     decoder(prompt, torch.arange(8, device="cuda"))
     compiled = compiled_step(decoder)(step_ids, position).float()
     assert relative_error(compiled, eager) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 16])
+def test_decode_attention_on_the_gpu_matches_float64_eagerly_and_from_a_graph(dtype: torch.dtype, batch: int) -> None:
+    """The decode attention kernel at Llama-3-8B's decode shapes (8 kv heads of 4 query heads, head_dim 128, 576
+    cache slots, a step at position 512), eagerly and replayed from a CUDA graph with the caches rewritten."""
+    from quantkit.kernels.decode_attention import decode_attention, decode_attention_reference
+
+    q, k, v = (torch.randn(batch, 8, n, 128, device="cuda", dtype=dtype) for n in (4, 576, 576))
+    positions = torch.tensor([512], device="cuda")
+    tol = 4e-3 if dtype == torch.float16 else 2e-2
+    assert relative_error(decode_attention(q, k, v, positions, 128 ** -0.5),
+                          decode_attention_reference(q, k, v, positions, 128 ** -0.5)) < tol
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k, v, positions, 128 ** -0.5)
+    k.normal_(), v.normal_(), positions.fill_(300)
+    graph.replay()
+    assert relative_error(out, decode_attention_reference(q, k, v, positions, 128 ** -0.5)) < tol
