@@ -7,13 +7,12 @@ Shapes (quantkit.decode.StaticDecoder's): q [B, KVH, R, D] with R = group * toke
 query head kvh * group + g at the step's token t), cache_k / cache_v [B, KVH, L, D], positions [tokens] (int64):
 row r attends to cache slots 0..positions[r % tokens]. Output [B, KVH, R, D] in q's dtype.
 
-Step 1 (`_decode_attention_partial`, grid (B * KVH, splits)): a program runs an online softmax over its chunk of
-the cache in BLOCK_L-slot tiles (q k^T and p v on tensor cores, fp32 accumulation, p rounded to the cache's dtype for
-the second product as flash attention does; fp32 under Triton's CPU interpreter, whose bf16 tl.dot is wrong) and
-writes its rows' normalised partial output and log-sum-exp; a chunk past every row's position reads nothing and
-writes lse = -inf.
-Step 2 (`_decode_attention_combine`, one program per row): out = sum_s w_s out_s / sum_s w_s with
-w_s = exp(lse_s - max lse).
+One kernel, grid (B * KVH, splits): a program runs an online softmax over its chunk of the cache in BLOCK_L-slot
+tiles (q k^T and p v on tensor cores, fp32 accumulation, p rounded to the cache's dtype for the second product as
+flash attention does; fp32 under Triton's CPU interpreter, whose bf16 tl.dot is wrong) and writes its rows'
+normalised partial output and log-sum-exp (a chunk past every row's position reads nothing: lse = -inf); the last of
+a kv head's programs to finish (a counter, as w4a16's split-K) combines them, out = sum_s w_s out_s / sum_s w_s with
+w_s = exp(lse_s - max lse), without a second launch (which cost ~1.8 us a layer on an H100).
 """
 
 from __future__ import annotations
@@ -23,18 +22,18 @@ import triton
 import triton.language as tl
 
 from . import DECODE_ATTENTION_ROWS, decode_attention_takes
-from .w4a16 import _interpreting
+from .w4a16 import _interpreting, tile_counters
 
 BLOCK_L = 64  # cache slots per tile
 PROGRAMS_PER_SM = 2
 
 
 @triton.jit
-def _decode_attention_partial(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, lse_ptr, scale, rows, tokens, length, chunk,
-                              HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
-                              UPCAST_DOT: tl.constexpr):
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, lse_ptr, count_ptr, scale, rows,
+                             tokens, length, chunk, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_L: tl.constexpr, IS_SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr):
     head, split = tl.program_id(0), tl.program_id(1)
-    heads = tl.num_programs(0)
+    heads, splits = tl.num_programs(0), tl.num_programs(1)
     r = tl.arange(0, BLOCK_R)
     d = tl.arange(0, HEAD_DIM)
     live = r < rows
@@ -66,25 +65,41 @@ def _decode_attention_partial(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, lse_ptr, s
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     seen = total > 0
-    lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-    row = (split * heads + head) * rows + r
-    tl.store(lse_ptr + row, lse, mask=live)
     out = acc / tl.where(seen, total, 1.0)[:, None]
-    tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=live[:, None])
+    out_offsets = (head * rows + r)[:, None] * HEAD_DIM + d[None, :]
+    if IS_SPLIT:
+        lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+        row = (split * heads + head) * rows + r
+        tl.store(lse_ptr + row, lse, mask=live)
+        tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=live[:, None])
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        if tl.atomic_add(count_ptr + head, 1, sem="acq_rel") == splits - 1:  # the last split combines them all
+            out = _combined(part_ptr, lse_ptr, head, heads, splits, rows, r, d, live, HEAD_DIM, BLOCK_R)
+            tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+            tl.atomic_xchg(count_ptr + head, 0)
+    else:
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit
-def _decode_attention_combine(part_ptr, lse_ptr, out_ptr, all_rows, splits, HEAD_DIM: tl.constexpr,
-                              BLOCK_S: tl.constexpr):
-    row = tl.program_id(0)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, HEAD_DIM)
-    used = s < splits
-    lse = tl.load(lse_ptr + s * all_rows + row, mask=used, other=float("-inf"))
-    weight = tl.exp(lse - tl.max(lse, 0))  # split 0 always holds slot 0: the max is finite
-    parts = tl.load(part_ptr + (s * all_rows + row)[:, None] * HEAD_DIM + d[None, :], mask=used[:, None], other=0.0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+def _combined(part_ptr, lse_ptr, head, heads, splits, rows, r, d, live, HEAD_DIM: tl.constexpr,
+              BLOCK_R: tl.constexpr):
+    """sum_s w_s out_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s), read from L2 (.cg: never a stale L1 line).
+    Split 0 holds slot 0, which every row sees: the max is finite."""
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(splits):
+        lse = tl.load(lse_ptr + (s * heads + head) * rows + r, mask=live, other=0.0, cache_modifier=".cg")
+        top = tl.maximum(top, lse)
+    weights = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
+    for s in range(splits):
+        row = (s * heads + head) * rows + r
+        weight = tl.exp(tl.load(lse_ptr + row, mask=live, other=0.0, cache_modifier=".cg") - top)
+        part = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0,
+                       cache_modifier=".cg")
+        acc += weight[:, None] * part
+        weights += weight
+    return acc / weights[:, None]
 
 
 def split_count(heads: int, length: int, device: torch.device) -> int:
@@ -109,15 +124,13 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     chunk = triton.cdiv(triton.cdiv(length, splits), BLOCK_L) * BLOCK_L
     splits = triton.cdiv(length, chunk)
     q, cache_k, cache_v = q.contiguous(), cache_k.contiguous(), cache_v.contiguous()
+    out = torch.empty_like(q)
     parts = torch.empty(splits, heads, rows, head_dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(splits, heads, rows, device=q.device, dtype=torch.float32)
-    _decode_attention_partial[(heads, splits)](
-        q, cache_k, cache_v, positions, parts, lse, scale, rows, tokens, length, chunk, HEAD_DIM=head_dim,
-        BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_L=BLOCK_L,
+    _decode_attention_kernel[(heads, splits)](
+        q, cache_k, cache_v, positions, out, parts, lse, tile_counters(q.device), scale, rows, tokens, length, chunk,
+        HEAD_DIM=head_dim, BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_L=BLOCK_L, IS_SPLIT=splits > 1,
         UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(), num_warps=4)
-    out = torch.empty_like(q)
-    _decode_attention_combine[(heads * rows,)](parts, lse, out, heads * rows, splits, HEAD_DIM=head_dim,
-                                               BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
     return out
 
 

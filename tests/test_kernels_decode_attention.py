@@ -80,18 +80,20 @@ def test_what_the_kernel_cannot_take_fails_clearly(monkeypatch) -> None:
 DECODE_ATTENTION_COMPILE = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from quantkit.kernels.decode_attention import _decode_attention_partial
+from quantkit.kernels.decode_attention import _decode_attention_kernel
 from quantkit.kernels.sm90 import ptxas_report
 
 for dtype in ("fp16", "bf16"):
-    sig = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "pos_ptr": "*i64", "part_ptr": "*fp32",
-           "lse_ptr": "*fp32", "scale": "fp32", "rows": "i32", "tokens": "i32", "length": "i32", "chunk": "i32",
-           "HEAD_DIM": "constexpr", "BLOCK_R": "constexpr", "BLOCK_L": "constexpr", "UPCAST_DOT": "constexpr"}
-    consts = {"HEAD_DIM": 128, "BLOCK_R": 16, "BLOCK_L": 64, "UPCAST_DOT": False}
-    source = ASTSource(fn=_decode_attention_partial, signature=sig, constexprs=consts)
+    sig = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "pos_ptr": "*i64", "out_ptr": "*" + dtype,
+           "part_ptr": "*fp32", "lse_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32", "rows": "i32",
+           "tokens": "i32", "length": "i32", "chunk": "i32", "HEAD_DIM": "constexpr", "BLOCK_R": "constexpr",
+           "BLOCK_L": "constexpr", "IS_SPLIT": "constexpr", "UPCAST_DOT": "constexpr"}
+    consts = {"HEAD_DIM": 128, "BLOCK_R": 16, "BLOCK_L": 64, "IS_SPLIT": True, "UPCAST_DOT": False}
+    source = ASTSource(fn=_decode_attention_kernel, signature=sig, constexprs=consts)
     kernel = compile(source, target=GPUTarget("cuda", 90, 32))
     ptx = kernel.asm["ptx"]
     assert "mma.sync" in ptx or "wgmma" in ptx, "q k^T and p v not on tensor cores"
+    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx, "no in-kernel combine of the splits"
     report = ptxas_report(ptx)
     assert report["spill_bytes"] == 0, report["text"][-2000:]
 print("compiled")
