@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from bench_kernels import printing_log, run_meta
+from quantkit.kernels import decode_attention as attention_module
 from quantkit.kernels.decode_attention import decode_attention
 
 from quantkit.eval.speed import replay_seconds
@@ -66,9 +67,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"# Decode attention, Llama-3-8B shapes, {meta['device']}", "", f"- date: {meta['date']}",
              f"- command: `{meta['command']}`", f"- git commit: {meta['commit']}",
              f"- torch {meta['torch']}, triton {meta['triton']}", "",
-             "| batch | position | kernel us | SDPA us | speedup | kernel GB/s | SDPA GB/s | rel. err vs SDPA |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['prompt']} | {r['kernel_us']:.2f} | {r['sdpa_us']:.2f} | {r['speedup']:.2f}x | "
+             "| programs per SM | batch | position | kernel us | SDPA us | speedup | kernel GB/s | SDPA GB/s | "
+             "rel. err vs SDPA |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['programs_per_sm']} | {r['batch']} | {r['prompt']} | {r['kernel_us']:.2f} | {r['sdpa_us']:.2f} | {r['speedup']:.2f}x | "
               f"{r['kernel_GBps']:.0f} | {r['sdpa_GBps']:.0f} | {r['rel_err_vs_sdpa']:.1e} |" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -78,16 +79,20 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompts", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[attention_module.PROGRAMS_PER_SM],
+                        help="time the kernel at each of these split counts (decode_attention.PROGRAMS_PER_SM)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = printing_log(args.out / "log_attention.txt")
     meta, rows = run_meta(), []
     torch.manual_seed(0)
-    for batch in args.batches:
-        for prompt in args.prompts:
-            rows.append(cell(batch, prompt))
-            log(json.dumps(rows[-1]))
-            torch.cuda.empty_cache()
+    for per_sm in args.programs_per_sm:
+        attention_module.PROGRAMS_PER_SM = per_sm
+        for batch in args.batches:
+            for prompt in args.prompts:
+                rows.append(dict(programs_per_sm=per_sm, **cell(batch, prompt)))
+                log(json.dumps(rows[-1]))
+                torch.cuda.empty_cache()
     (args.out / "attention.json").write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
     (args.out / "attention.md").write_text(markdown(meta, rows))
     return int(any(not r["rel_err_vs_sdpa"] < 2e-3 for r in rows))
