@@ -25,7 +25,9 @@ from . import DECODE_ATTENTION_ROWS, decode_attention_takes
 from .w4a16 import _interpreting, tile_counters
 
 BLOCK_L = 64  # cache slots per tile
-PROGRAMS_PER_SM = 2
+# One program per SM at most: on an H100 more splits lost everywhere (the last program reads every split's partial;
+# one token at position 8192: 21 / 27 / 36 / 56 us at 1 / 2 / 4 / 8 per SM; benchmarks/e2e/attention_h100_splits_*)
+PROGRAMS_PER_SM = 1
 
 
 @triton.jit
