@@ -136,8 +136,10 @@ def decode_attention_for(device: torch.device, head_dim: int) -> Callable[..., t
         return None
     try:
         from .decode_attention import decode_attention_op
+        from .w4a16 import tile_counters
     except ImportError:  # no Triton
         return None
+    tile_counters(device)  # the split programs' counters, allocated now, never inside a CUDA-graph capture
     return decode_attention_op
 
 

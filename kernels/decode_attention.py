@@ -117,8 +117,8 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     length, tokens = cache_k.shape[2], positions.shape[0]
     if not decode_attention_takes(head_dim) or rows > DECODE_ATTENTION_ROWS or rows % tokens:
         raise ValueError(f"decode attention takes head_dim a power of two in [16, 256] and at most "
-                         f"{DECODE_ATTENTION_ROWS} rows "
-                         f"of whole tokens per kv head, not head_dim {head_dim}, {rows} rows, {tokens} tokens")
+                         f"{DECODE_ATTENTION_ROWS} rows of whole tokens per kv head, not head_dim {head_dim}, "
+                         f"{rows} rows, {tokens} tokens")
     if cache_k.shape != (batch, kv_heads, length, head_dim) or cache_v.shape != cache_k.shape:
         raise ValueError(f"caches {tuple(cache_k.shape)} / {tuple(cache_v.shape)} do not match q {tuple(q.shape)}")
     heads = batch * kv_heads
@@ -129,9 +129,9 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     out = torch.empty_like(q)
     parts = torch.empty(splits, heads, rows, head_dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(splits, heads, rows, device=q.device, dtype=torch.float32)
+    counters = tile_counters(q.device, heads)
     _decode_attention_kernel[(heads, splits)](
-        q, cache_k, cache_v, positions, out, parts, lse, tile_counters(q.device), scale, rows, tokens, length, chunk,
-        HEAD_DIM=head_dim, BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_L=BLOCK_L, IS_SPLIT=splits > 1,
+        q, cache_k, cache_v, positions, out, parts, lse, counters, scale, rows, tokens, length, chunk, HEAD_DIM=head_dim, BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_L=BLOCK_L, IS_SPLIT=splits > 1,
         UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(), num_warps=4)
     return out
 
@@ -139,7 +139,7 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
 @torch.library.custom_op("quantkit::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
                         scale: float) -> torch.Tensor:
-    """decode_attention as a custom op: torch.compile calls it as one opaque kernel pair."""
+    """decode_attention as a custom op: torch.compile calls it as one opaque kernel."""
     return decode_attention(q, cache_k, cache_v, positions, scale)
 
 
