@@ -131,7 +131,8 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     lse = torch.empty(splits, heads, rows, device=q.device, dtype=torch.float32)
     counters = tile_counters(q.device, heads)
     _decode_attention_kernel[(heads, splits)](
-        q, cache_k, cache_v, positions, out, parts, lse, counters, scale, rows, tokens, length, chunk, HEAD_DIM=head_dim, BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_L=BLOCK_L, IS_SPLIT=splits > 1,
+        q, cache_k, cache_v, positions, out, parts, lse, counters, scale, rows, tokens, length, chunk,
+        HEAD_DIM=head_dim, BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_L=BLOCK_L, IS_SPLIT=splits > 1,
         UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(), num_warps=4)
     return out
 
