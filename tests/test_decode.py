@@ -162,8 +162,8 @@ def test_eval_speed_times_each_model_and_reports_speedups(tmp_path, monkeypatch)
                        report_dir=tmp_path, json_path=None, batch_size=1, device="cpu", console=Console(quiet=True),
                        loader=lambda name: (models[name], None, name), speed_batches=[1, 2], speed_compile="eager")
     base, w4, gemma = (m["speed"] for m in results["models"])
-    assert set(base) == {"device", "compiled", "prompt", "decode_b1", "decode_b2", "prefill_512"}
-    assert base["device"] == "cpu" and base["prompt"] == 512
+    assert set(base) == {"device", "compiled", "prompt", "attention", "decode_b1", "decode_b2", "prefill_512"}
+    assert base["device"] == "cpu" and base["prompt"] == 512 and base["attention"] == "SDPA"
     assert base["compiled"] == "eager"  # Dynamo traced each decode step (no Inductor code generation in a test)
     assert all(base[cell]["ms"] > 0 for cell in ("decode_b1", "decode_b2", "prefill_512"))
     assert base["decode_b2"]["tokens_per_s"] == pytest.approx(2e3 / base["decode_b2"]["ms"])
@@ -172,7 +172,7 @@ def test_eval_speed_times_each_model_and_reports_speedups(tmp_path, monkeypatch)
     assert rows["decode_b1"][3] == "n/a" and rows["decode_b1"][4] == f"{base['decode_b1']['ms'] / w4['decode_b1']['ms']:.2f}x"
     markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "## Speed" in markdown and "Not timed: gemma: StaticDecoder runs" in markdown
-    assert "a static KV cache of 512 + 1 positions" in markdown
+    assert "a static KV cache of 512 + 1 positions; decode steps attend with SDPA" in markdown
 
 
 def test_a_decode_step_traces_as_one_graph() -> None:

@@ -208,12 +208,13 @@ def markdown_report(results: dict, plots: list[str]) -> str:
         ]
     if config.get("speed_batches") is not None:
         skipped = [f"{m['label']}: {m['speed']['skipped']}" for m in results["models"] if "skipped" in m["speed"]]
-        prompt = next((m["speed"]["prompt"] for m in results["models"] if "prompt" in m["speed"]), "P")
+        timed = next((m["speed"] for m in results["models"] if "prompt" in m["speed"]), {})
+        prompt, attention = timed.get("prompt", "P"), timed.get("attention", "SDPA")
         lines += [
             "## Speed",
             "",
             "quantkit.decode.StaticDecoder's steps (q/k/v and gate/up fused, a static KV cache of "
-            f"{prompt} + 1 positions, attention over all of it): one decode step of B tokens "
+            f"{prompt} + 1 positions; decode steps attend with {attention}): one decode step of B tokens "
             f"(decode_bB) and the prefill of one {prompt}-token prompt, median of CUDA-graph replays on a "
             "GPU (wall clock on a CPU)"
             + (f"; decode steps through torch.compile ({config['speed_compile']})." if config.get("speed_compile")

@@ -60,7 +60,8 @@ def compiled_step(decoder: StaticDecoder, backend: str = "inductor") -> Callable
 def measure_speed(model: nn.Module, batch_sizes: tuple[int, ...] = (1,), prompt: int = PROMPT_TOKENS,
                   reps: int = REPS, compile_backend: str | None = None) -> dict:
     """{"decode_b{B}": {"ms", "tokens_per_s"} per batch size (one step of B tokens after a prompt of `prompt`),
-    "prefill_{prompt}": {"ms", "tokens_per_s"} (one sequence), "device", "compiled", "prompt"}, or {"skipped": why}
+    "prefill_{prompt}": {"ms", "tokens_per_s"} (one sequence), "device", "compiled", "prompt", "attention" (what
+    the decode steps attend with)}, or {"skipped": why}
     for a model StaticDecoder does not run. Random token ids: the speed does not depend on them. compile_backend:
     decode steps through torch.compile(fullgraph) with that backend ("inductor" fuses the small ops around the
     linears; on an H100 it made an 8B-shaped W4A16 step 1.56x faster, benchmarks/README.md), once per batch size."""
@@ -72,7 +73,8 @@ def measure_speed(model: nn.Module, batch_sizes: tuple[int, ...] = (1,), prompt:
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "compiled": compile_backend, "prompt": prompt}
+                    "compiled": compile_backend, "prompt": prompt,
+                    "attention": "SDPA" if decoder.decode_attention is None else "quantkit decode attention kernel"}
     position = torch.tensor([prompt], device=device)
     for batch in batch_sizes:
         decoder.new_cache(batch)
