@@ -71,8 +71,7 @@ def test_reload_matches_the_in_memory_model(results, exports, smollm2_setup, nam
 
 
 def test_transformers_loads_the_compressed_tensors_export(exports, smollm2_setup) -> None:
-    check_transformers_loads_the_compressed_tensors_export(exports["gptq-ct"], smollm2_setup,
-                                                           w4a8=False)
+    check_transformers_loads_the_compressed_tensors_export(exports["gptq-ct"], smollm2_setup, w4a8=False)
 
 
 @pytest.mark.vllm

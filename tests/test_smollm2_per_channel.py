@@ -63,8 +63,7 @@ def test_reload_matches_the_in_memory_model(results, exports, smollm2_setup) -> 
 
 
 def test_transformers_loads_the_compressed_tensors_export(exports, smollm2_setup) -> None:
-    check_transformers_loads_the_compressed_tensors_export(exports["qqq-ct"], smollm2_setup,
-                                                           w4a8=True)
+    check_transformers_loads_the_compressed_tensors_export(exports["qqq-ct"], smollm2_setup, w4a8=True)
 
 
 @pytest.mark.vllm
