@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -23,11 +22,17 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with the most slow (real-model) tests first, the rest in collection order: under xdist with
-    --dist loadfile --no-loadscope-reorder (scripts/test.sh) those files, minutes each, start at once on
-    separate workers instead of queueing behind each other at the end."""
-    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path])
+    """Files with slow (real-model) tests first, longest first by their `slow` marker's `seconds` (the file's
+    measured duration under scripts/test.sh), the rest in collection order. Under xdist with --dist loadfile
+    --no-loadscope-reorder each worker takes the next file when it is nearly done with its own: the longest
+    files start at once on separate workers, the next ones go to whichever worker frees first (longest
+    processing time first), and the short files fill in at the end, so both workers finish about together."""
+    seconds: dict = {}
+    for item in items:
+        marker = item.get_closest_marker("slow")
+        if marker is not None:
+            seconds[item.path] = max(seconds.get(item.path, 0), marker.kwargs.get("seconds", 1))
+    items.sort(key=lambda item: -seconds.get(item.path, 0))
 
 
 def _smollm2() -> Path | None:
@@ -73,3 +78,26 @@ def smollm2(smollm2_gguf):
     from quantkit.models import load_model
 
     return load_model(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def smollm2_setup(smollm2):
+    """(model, tokenizer, calibration set of 16 x 256 tokens, held-out texts) for a SmolLM2 test file."""
+    from quantkit.data import build_calibration_set, default_heldout_texts, load_passages, load_text
+
+    model, tokenizer = smollm2
+    calib = build_calibration_set(tokenizer, load_passages(None), nsamples=16, seqlen=256, seed=0)
+    texts = {name: load_text(path) for name, path in default_heldout_texts().items()}
+    return model, tokenizer, calib, texts
+
+
+@pytest.fixture(scope="module")
+def smollm2_recorder(smollm2_setup, request):
+    """Held-out NLL on 4 windows of 512 tokens per text, recorded under the test file's REPORT name
+    (QUANTKIT_TEST_REPORT=DIR writes DIR/<REPORT>.json)."""
+    from realmodel import NLLRecorder
+
+    _, tokenizer, _, texts = smollm2_setup
+    recorder = NLLRecorder(request.module.REPORT, tokenizer, texts, windows=4)
+    yield recorder
+    recorder.write_report()

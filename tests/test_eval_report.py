@@ -154,7 +154,7 @@ def test_run_eval_end_to_end_on_a_tiny_model(tiny_lm, tmp_path):  # noqa: F811
     assert len(base["generations"]) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=110)  # its time in the suite, 2026-12-05: conftest.py orders by it
 def test_smollm2_against_its_gptq_export(smollm2, smollm2_gguf, tmp_path):
     """The issue's small real run: the GGUF and its GPTQ export, loaded by `quantkit eval`'s own loader, on two
     dozen items of two tasks; the report folder is complete and the export costs perplexity."""

@@ -1,9 +1,14 @@
-"""The real model: SmolLM2-135M (hidden size 576, not a multiple of 128), quantized on CPU.
+"""Shared by the SmolLM2-135M real-model test files (hidden size 576, not a multiple of 128; quantized on CPU).
 
-GPTQ must raise held-out perplexity by less than RTN does (per group of 64 and per channel) and by a bounded
-amount; AWQ no more than RTN; W4A8 with QQQ's smoothing less than GPTQ W4A8, which beats RTN W4A8. The GPTQ,
-AWQ and QQQ exports must reload, load in transformers (compressed-tensors) and in vLLM with matching greedy
-tokens. QUANTKIT_TEST_REPORT=DIR writes every measured NLL to DIR/smollm2.json (see realmodel.py).
+The work is split in three files so that pytest-xdist (--dist loadfile: one file on one worker) can spread it:
+test_smollm2_g64.py (RTN / GPTQ / QQQ in groups of 64), test_smollm2_per_channel.py (the same per channel) and
+test_smollm2_awq.py (AWQ against RTN in AWQ's scheme). Each file quantizes only what its own tests need; the
+W4A8 runs of RTN and GPTQ evaluate that file's W4A16 weights (realmodel.with_act_bits): no model is quantized
+twice.
+
+Here: the quantization settings, the exports and the export checks (reload, transformers, vLLM); the module
+fixtures smollm2_setup and smollm2_recorder are in conftest.py. QUANTKIT_TEST_REPORT=DIR writes every measured
+NLL to DIR/<file's REPORT>.json (see realmodel.py).
 """
 
 from __future__ import annotations
@@ -11,38 +16,17 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from realmodel import NLLRecorder, mean
+from realmodel import NLLRecorder
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from quantkit.config import QuantConfig
-from quantkit.data import build_calibration_set, default_heldout_texts, load_passages, load_text
 from quantkit.export import export_checkpoint
 from quantkit.reload import load_quantized
-
-pytestmark = pytest.mark.slow
-WINDOWS = 4
-
-
-@pytest.fixture(scope="module")
-def setup(smollm2):
-    model, tokenizer = smollm2
-    calib = build_calibration_set(tokenizer, load_passages(None), nsamples=16, seqlen=256, seed=0)
-    texts = {name: load_text(path) for name, path in default_heldout_texts().items()}
-    return model, tokenizer, calib, texts
-
-
-@pytest.fixture(scope="module")
-def recorder(setup):
-    _, tokenizer, _, texts = setup
-    recorder = NLLRecorder("smollm2", tokenizer, texts, WINDOWS)
-    yield recorder
-    recorder.write_report()
 
 
 def w4(method: str, group: int, act_bits: int = 16) -> QuantConfig:
@@ -50,14 +34,16 @@ def w4(method: str, group: int, act_bits: int = 16) -> QuantConfig:
     return QuantConfig(method=method, group_size=group, act_bits=act_bits, act_order=method == "gptq")
 
 
-@pytest.fixture(scope="module")
-def results(setup, recorder):
-    """Mean NLL on both held-out texts for fp and each (method, group), plus the quantized models."""
-    model, _, calib, _ = setup
+def w4a16_and_w4a8(model, calib, recorder: NLLRecorder, group: int) -> dict:
+    """fp, RTN and GPTQ W4A16 (mean NLL per held-out text, quantized model) at `group`, then the same weights
+    with int8 activations, and QQQ W4A8 (smoothing + GPTQ) at `group`, keyed like the tests read them."""
     out = {"fp": (recorder.nll(model, "fp32"), model)}
     for method in ("rtn", "gptq"):
-        for group in (64, -1):
-            out[(method, group)] = recorder.quantized(model, calib, w4(method, group))
+        out[(method, group)] = recorder.quantized(model, calib, w4(method, group))
+    for method in ("rtn", "gptq"):
+        out[("w4a8", method, group)] = recorder.reused(out[(method, group)][1], w4(method, group, 8))
+    out[("w4a8", "qqq", group)] = recorder.quantized(model, calib, QuantConfig(
+        method="qqq", group_size=group, act_bits=8, smooth_steps=QQQ_THRESHOLDS[group], **QQQ_OPTIONS))
     return out
 
 
@@ -65,13 +51,6 @@ def results(setup, recorder):
 # the scale search's block evaluations): mean NLL 2.276 (one thread, 2026-12-05) vs 2.284 with 10 and 2.289 with
 # 20 (RTN 2.385; accuracy/smollm2_cpu_ci.md).
 AWQ = QuantConfig(method="awq", group_size=64, sym=False, awq_grid=5)
-
-
-@pytest.fixture(scope="module")
-def awq_results(setup, recorder):
-    """RTN and AWQ in AWQ's scheme."""
-    model, _, calib, _ = setup
-    return {method: recorder.quantized(model, calib, replace(AWQ, method=method)) for method in ("rtn", "awq")}
 
 
 # QQQ: loss on 8 of the 16 calibration sequences (one batch); the search evaluates every threshold (grid), 50 at
@@ -86,56 +65,7 @@ QQQ_OPTIONS = {"smooth_samples": 8, "smooth_search": "grid"}
 QQQ_THRESHOLDS = {64: 50, -1: 25}
 
 
-@pytest.fixture(scope="module")
-def w4a8_results(setup, recorder, results):
-    """W4A8 (per-token int8 activations) RTN, GPTQ and QQQ (smoothing + GPTQ), per channel and g64; RTN and GPTQ
-    evaluate their W4A16 weights with int8 activations (realmodel.with_act_bits)."""
-    model, _, calib, _ = setup
-    out = {}
-    for group in (-1, 64):
-        for method in ("rtn", "gptq"):
-            out[("w4a8", method, group)] = recorder.reused(results[(method, group)][1], w4(method, group, 8))
-        out[("w4a8", "qqq", group)] = recorder.quantized(model, calib, QuantConfig(
-            method="qqq", group_size=group, act_bits=8, smooth_steps=QQQ_THRESHOLDS[group], **QQQ_OPTIONS))
-    return out
-
-
-@pytest.mark.parametrize("group", [64, -1])
-def test_gptq_costs_less_perplexity_than_rtn(results, group: int) -> None:
-    """On the held-out mix that matches the calibration mix (English + Korean, 1:1). GPTQ with act-order (the
-    CLI's default; its weights serve the W4A8 runs too). Without act-order GPTQ g64 won clearly on Korean but was
-    slightly behind RTN on English alone (NLL 3.286 vs 3.240, 2026-12-03; see the note in benchmarks/README.md);
-    with act-order it wins on both (3.142 vs 3.240 English, 1.505 vs 1.850 Korean, 2026-12-04).
-    """
-    fp = results["fp"][0]
-    rtn, gptq = results[("rtn", group)][0], results[("gptq", group)][0]
-    assert mean(gptq) < mean(rtn), (fp, rtn, gptq)
-
-
-def test_awq_costs_no_more_perplexity_than_rtn(results, awq_results) -> None:
-    fp, rtn, awq = results["fp"][0], awq_results["rtn"][0], awq_results["awq"][0]
-    assert mean(awq) <= mean(rtn), (fp, rtn, awq)
-    assert mean(awq) - mean(fp) < torch.log1p(torch.tensor(0.6)).item(), (fp, awq)
-
-
-@pytest.mark.parametrize("group", [-1, 64])
-def test_qqq_smoothing_beats_plain_w4a8(results, w4a8_results, group: int) -> None:
-    """W4A8 with QQQ's smoothing beats GPTQ + int8 activations without it, which beats RTN W4A8."""
-    fp = results["fp"][0]
-    rtn, gptq, qqq = (w4a8_results[("w4a8", method, group)][0] for method in ("rtn", "gptq", "qqq"))
-    assert mean(qqq) < mean(gptq) < mean(rtn), (fp, rtn, gptq, qqq)
-
-
-@pytest.mark.parametrize("group,bound", [(64, 0.6), (-1, 1.5)])
-def test_gptq_perplexity_increase_is_bounded(results, group: int, bound: float) -> None:
-    """exp(delta NLL) - 1 = relative perplexity increase. On the H200 with 32 x 512 calibration tokens GPTQ
-    g64 cost +29% (English) and +16% (Korean) (benchmarks/README.md); this test calibrates on 16 x 256."""
-    fp, gptq = results["fp"][0], results[("gptq", group)][0]
-    for text in fp:
-        assert gptq[text] - fp[text] < torch.log1p(torch.tensor(bound)).item(), (text, fp[text], gptq[text])
-
-
-# export name: (quantized model, its config, format)
+# export name: (quantized model's key, its config, format)
 EXPORTS = {
     "gptq-ct": (("gptq", 64), w4("gptq", 64), "compressed-tensors"),
     "gptq-gptq": (("gptq", 64), w4("gptq", 64), "gptq"),
@@ -145,50 +75,42 @@ EXPORTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def quantized_models(results, awq_results, w4a8_results):
-    return {**{k: v[1] for k, v in results.items()}, **{k: v[1] for k, v in awq_results.items()},
-            **{k: v[1] for k, v in w4a8_results.items()}}
+def export(results: dict, setup, folder: Path, names: list[str]) -> dict[str, Path]:
+    """The named EXPORTS of the quantized models in results (key -> (NLL, model)) into folder/<name>, with fp16
+    embeddings and norms."""
+    tokenizer, exports = setup[1], {}
+    for name in names:
+        key, config, fmt = EXPORTS[name]
+        exports[name] = export_checkpoint(results[key][1], tokenizer, folder / name, config, fmt,
+                                          dtype="float16")
+    return exports
 
 
-@pytest.fixture(scope="module")
-def exports(quantized_models, setup, tmp_path_factory):
-    _, tokenizer, _, _ = setup
-    folder = tmp_path_factory.mktemp("smollm2")
-    return {name: export_checkpoint(quantized_models[key], tokenizer, folder / name, config, fmt, dtype="float16")
-            for name, (key, config, fmt) in EXPORTS.items()}
-
-
-@pytest.mark.parametrize("name", list(EXPORTS))
-def test_reload_matches_the_in_memory_model(quantized_models, exports, setup, name: str) -> None:
+def check_reload_matches_the_in_memory_model(quantized, folder: Path, setup) -> None:
     """The export holds embeddings and norms in fp16: the in-memory model with its parameters rounded the same
     way must give the same logits. (Unrounded, W4A8 drifts by several logits: a rounding difference of one
     ulp in the embeddings flips per-token int8 roundings, and 30 layers amplify the flips.)"""
-    _, tokenizer, calib, _ = setup
-    ids = calib.input_ids[:2, :64]
-    model = copy.deepcopy(quantized_models[EXPORTS[name][0]])
+    ids = setup[2].input_ids[:2, :64]
+    model = copy.deepcopy(quantized)
     with torch.no_grad():
         for parameter in model.parameters():  # QuantLinear keeps its packed weights in buffers, untouched here
             parameter.copy_(parameter.half().float())
         reference = model(ids).logits
-        reloaded, _ = load_quantized(exports[name], dtype=torch.float32)
+        reloaded, _ = load_quantized(folder, dtype=torch.float32)
         torch.testing.assert_close(reloaded(ids).logits, reference, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["gptq-ct", "awq-ct", "qqq-ct"])
-def test_transformers_loads_the_compressed_tensors_export(exports, setup, name: str) -> None:
+def check_transformers_loads_the_compressed_tensors_export(folder: Path, setup, w4a8: bool) -> None:
     """W4A16 exports match quantkit's reload. The W4A8 one loads with every tensor, but its logits are only
     checked to be finite: transformers' compressed-tensors path rounds the per-token int8 activations in
     its own order of operations, and through 30 layers any rounding flip drifts the logits by several units
-    (max |diff| 9.0 measured 2026-12-03; see test_reload_matches_the_in_memory_model for the same effect)."""
-    _, _, calib, _ = setup
-    folder = exports[name]
-    ids = calib.input_ids[:2, :64]
+    (max |diff| 9.0 measured 2026-12-03; see check_reload_matches_the_in_memory_model for the same effect)."""
+    ids = setup[2].input_ids[:2, :64]
     hf, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
         logits = hf.eval()(ids).logits
-        if name == "qqq-ct":
+        if w4a8:
             assert logits.isfinite().all()
         else:
             ours, _ = load_quantized(folder, dtype=torch.float32)
@@ -200,11 +122,12 @@ VLLM_RUNNER = Path(__file__).resolve().parent / "tools" / "vllm_greedy.py"
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "한국의 수도는", "1, 2, 3, 4,"]
 GREEDY_TOKENS = 12
 VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run scripts/setup_vllm_venv.sh")
 
 
 # vLLM runs fp16 (and its own int8 activation rounding), quantkit fp32 here: where quantkit's top two logits are
 # this close, either engine may pick either token. W4A8 needs more: an int8 rounding flip moves logits further
-# (max |diff| 9.0 against transformers, test_transformers_loads_the_compressed_tensors_export). Measured on the
+# (max |diff| 9.0 against transformers, check_transformers_loads_the_compressed_tensors_export). Measured on the
 # QQQ export: 0.14 and 0.31 (2026-12-03), 0.64 (2026-12-04: 50 thresholds, one thread per xdist worker).
 NEAR_TIE = 0.5
 NEAR_TIE_W4A8 = 1.0
@@ -223,12 +146,10 @@ def teacher_forced_margins(folder: Path, prompt_ids: list[list[int]], tokens: li
     return margins
 
 
-@pytest.mark.vllm
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run scripts/setup_vllm_venv.sh")
-@pytest.mark.parametrize("name", ["gptq-ct", "gptq-gptq", "awq-awq", "qqq-ct"])
-def test_vllm_greedy_tokens_match_quantkit(exports, setup, tmp_path, name: str) -> None:
-    _, tokenizer, _, _ = setup
-    folder = exports[name]
+def check_vllm_greedy_tokens_match_quantkit(folder: Path, setup, tmp_path: Path, name: str) -> None:
+    """vLLM loads the export (its own loading and repacking gives exactly quantkit's weights) and greedily picks
+    quantkit's tokens, or near-ties."""
+    tokenizer = setup[1]
     near_tie = NEAR_TIE_W4A8 if EXPORTS[name][1].act_bits == 8 else NEAR_TIE
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     (tmp_path / "prompts.json").write_text(json.dumps(prompt_ids))
@@ -245,8 +166,8 @@ def test_vllm_greedy_tokens_match_quantkit(exports, setup, tmp_path, name: str) 
     ours_model, _ = load_quantized(folder, dtype=torch.float32)
     dumped = load_file(tmp_path / "weights.safetensors")
     assert len(dumped) == 4 * ours_model.config.num_hidden_layers  # qkv, o, gate_up, down fused by vLLM
-    for name, weight in dumped.items():
-        prefix, leaf = name.rsplit(".", 1)
+    for weight_name, weight in dumped.items():
+        prefix, leaf = weight_name.rsplit(".", 1)
         parts = VLLM_FUSED.get(leaf, (leaf,))
         expected = torch.cat([ours_model.get_submodule(f"{prefix}.{p}").dequantized_weight() for p in parts])
         torch.testing.assert_close(weight, expected, rtol=0, atol=0)
