@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from realmodel import NLLRecorder
+from realmodel import NLLRecorder, mean
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -46,6 +46,25 @@ def w4a16_and_w4a8(model, calib, recorder: NLLRecorder, group: int) -> dict:
         method="qqq", group_size=group, act_bits=8, smooth_steps=QQQ_THRESHOLDS[group], **QQQ_OPTIONS))
     return out
 
+
+
+def check_gptq_beats_rtn(results: dict, group: int) -> None:
+    """GPTQ (act-order) costs less held-out NLL than RTN, on the mix that matches the calibration mix."""
+    rtn, gptq = results[("rtn", group)][0], results[("gptq", group)][0]
+    assert mean(gptq) < mean(rtn), (results["fp"][0], rtn, gptq)
+
+
+def check_qqq_beats_plain_w4a8(results: dict, group: int) -> None:
+    """W4A8 with QQQ's smoothing beats GPTQ + int8 activations without it, which beats RTN W4A8."""
+    rtn, gptq, qqq = (results[("w4a8", method, group)][0] for method in ("rtn", "gptq", "qqq"))
+    assert mean(qqq) < mean(gptq) < mean(rtn), (results["fp"][0], rtn, gptq, qqq)
+
+
+def check_gptq_increase_is_bounded(results: dict, group: int, bound: float) -> None:
+    """exp(delta NLL) - 1, the relative perplexity increase of GPTQ over fp, below `bound` on each text."""
+    fp, gptq = results["fp"][0], results[("gptq", group)][0]
+    for text in fp:
+        assert gptq[text] - fp[text] < torch.log1p(torch.tensor(bound)).item(), (text, fp[text], gptq[text])
 
 # AWQ's default scheme (asymmetric, here groups of 64), scale search over 5 ratios instead of 20 (a quarter of
 # the scale search's block evaluations): mean NLL 2.276 (one thread, 2026-12-05) vs 2.284 with 10 and 2.289 with

@@ -8,9 +8,10 @@ and in vLLM with matching greedy tokens. Groups of 64: test_smollm2_g64.py; AWQ:
 from __future__ import annotations
 
 import pytest
-import torch
-from realmodel import mean
 from smollm2_checks import (
+    check_gptq_beats_rtn,
+    check_gptq_increase_is_bounded,
+    check_qqq_beats_plain_w4a8,
     check_reload_matches_the_in_memory_model,
     check_transformers_loads_the_compressed_tensors_export,
     check_vllm_greedy_tokens_match_quantkit,
@@ -32,24 +33,15 @@ def results(smollm2_setup, smollm2_recorder):
 
 
 def test_gptq_costs_less_perplexity_than_rtn(results) -> None:
-    """On the held-out mix that matches the calibration mix (English + Korean, 1:1); GPTQ with act-order."""
-    fp = results["fp"][0]
-    rtn, gptq = results[("rtn", GROUP)][0], results[("gptq", GROUP)][0]
-    assert mean(gptq) < mean(rtn), (fp, rtn, gptq)
+    check_gptq_beats_rtn(results, GROUP)
 
 
 def test_qqq_smoothing_beats_plain_w4a8(results) -> None:
-    """W4A8 with QQQ's smoothing beats GPTQ + int8 activations without it, which beats RTN W4A8."""
-    fp = results["fp"][0]
-    rtn, gptq, qqq = (results[("w4a8", method, GROUP)][0] for method in ("rtn", "gptq", "qqq"))
-    assert mean(qqq) < mean(gptq) < mean(rtn), (fp, rtn, gptq, qqq)
+    check_qqq_beats_plain_w4a8(results, GROUP)
 
 
 def test_gptq_perplexity_increase_is_bounded(results) -> None:
-    """exp(delta NLL) - 1 = relative perplexity increase, here below +150% per text."""
-    fp, gptq = results["fp"][0], results[("gptq", GROUP)][0]
-    for text in fp:
-        assert gptq[text] - fp[text] < torch.log1p(torch.tensor(1.5)).item(), (text, fp[text], gptq[text])
+    check_gptq_increase_is_bounded(results, GROUP, 1.5)  # +150% per text
 
 
 @pytest.fixture(scope="module")
