@@ -126,7 +126,7 @@ class StaticDecoder:
         return [linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
     def _attention(self, layer: _Layer, x: torch.Tensor, positions: torch.Tensor, index: int,
-                   mask: torch.Tensor) -> torch.Tensor:
+                   mask: torch.Tensor | None) -> torch.Tensor:
         batch, tokens, _ = x.shape
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = layer.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -141,7 +141,7 @@ class StaticDecoder:
         cache_v.index_copy_(2, positions, v.view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2))
         group = self.heads // self.kv_heads  # query head h reads kv head h // group (transformers' repeat_kv)
         q = q.reshape(batch, self.kv_heads, group * tokens, self.head_dim)
-        if self.decode_attention is not None and group * tokens <= DECODE_ATTENTION_ROWS:
+        if mask is None:
             out = self.decode_attention(q, cache_k, cache_v, positions, layer.scaling)
         else:
             out = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask, scale=layer.scaling)
@@ -153,7 +153,9 @@ class StaticDecoder:
         """Logits [batch, tokens (1 if last_only), vocab] of ids [batch, tokens] at cache positions [tokens],
         whose keys and values it writes into the cache. No host synchronisation: a CUDA graph can capture it."""
         group = self.heads // self.kv_heads
-        mask = (self.slots[None] <= positions[:, None]).repeat(group, 1)  # rows: query head group, then token
+        mask = None  # the decode attention kernel masks by positions itself
+        if self.decode_attention is None or group * ids.shape[1] > DECODE_ATTENTION_ROWS:
+            mask = (self.slots[None] <= positions[:, None]).repeat(group, 1)  # rows: query head group, then token
         h = self.embed(ids)
         for index, layer in enumerate(self.layers):
             h = h + self._attention(layer, layer.input_norm(h), positions, index, mask)

@@ -62,6 +62,24 @@ def test_decoder_on_quantized_layers_matches_transformers(act_bits: int, group: 
     check_against_transformers(model)
 
 
+def test_a_long_prefill_runs_sdpa_and_the_steps_after_it_the_kernel() -> None:
+    """40 prompt tokens x 2 query heads per kv head = 80 rows > DECODE_ATTENTION_ROWS: the prefill attends with SDPA
+    over the masked cache, the decode steps after it with the kernel, on the cache the prefill wrote."""
+    model = tiny_model("llama")
+    ids = random_ids(1, 43)
+    with torch.no_grad():
+        expected = model(ids).logits
+    decoder = StaticDecoder(model, batch_size=1, max_len=48)
+    kernel, calls = decoder.decode_attention, []
+    decoder.decode_attention = lambda *args: calls.append(args[0].shape) or kernel(*args)
+    torch.testing.assert_close(decoder(ids[:, :40], torch.arange(40)), expected[:, :40], atol=1e-4, rtol=0)
+    assert calls == []
+    for position in range(40, 43):
+        step = decoder(ids[:, position:position + 1], torch.tensor([position]))
+        torch.testing.assert_close(step[:, 0], expected[:, position], atol=1e-4, rtol=0)
+    assert len(calls) == 3 * len(decoder.layers) and calls[0][2] == 2
+
+
 def test_greedy_generation_matches_transformers() -> None:
     model = tiny_model("llama")
     ids = random_ids(2, PROMPT)
