@@ -18,25 +18,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_kernels import printing_log, run_meta
+from bench_kernels import graph_time, printing_log, run_meta
 from quantkit.kernels import decode_attention as attention_module
 from quantkit.kernels.decode_attention import decode_attention
 
-from quantkit.eval.speed import replay_seconds
-
 KV_HEADS, GROUP, HEAD_DIM, LAYERS, SLACK = 8, 4, 128, 32, 64
-
-
-def graph_seconds(call, caches: list) -> float:
-    """Median seconds per call of a graph of one call per cache."""
-    for cache in caches[:2]:
-        call(*cache)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for cache in caches:
-            call(*cache)
-    return replay_seconds(graph, 20) / len(caches)
 
 
 def cell(batch: int, prompt: int) -> dict:
@@ -56,7 +42,8 @@ def cell(batch: int, prompt: int) -> dict:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
     out, ref = kernel(*caches[0]).float(), sdpa(*caches[0]).float()
-    t_kernel, t_sdpa = graph_seconds(kernel, caches), graph_seconds(sdpa, caches)
+    t_kernel = graph_time([lambda k=k, v=v: kernel(k, v) for k, v in caches])
+    t_sdpa = graph_time([lambda k=k, v=v: sdpa(k, v) for k, v in caches])
     read = batch * KV_HEADS * (prompt + 1) * HEAD_DIM * 2 * 2
     return dict(batch=batch, prompt=prompt, kernel_us=t_kernel * 1e6, sdpa_us=t_sdpa * 1e6,
                 speedup=t_sdpa / t_kernel, kernel_GBps=read / t_kernel / 1e9, sdpa_GBps=read / t_sdpa / 1e9,

@@ -67,10 +67,11 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, ls
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     seen = total > 0
-    out = acc / tl.where(seen, total, 1.0)[:, None]
+    denominator = tl.where(seen, total, 1.0)  # a row no slot of this chunk reaches: out 0, lse -inf
+    out = acc / denominator[:, None]
     out_offsets = (head * rows + r)[:, None] * HEAD_DIM + d[None, :]
     if IS_SPLIT:
-        lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+        lse = tl.where(seen, m + tl.log(denominator), float("-inf"))
         row = (split * heads + head) * rows + r
         tl.store(lse_ptr + row, lse, mask=live)
         tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=live[:, None])
@@ -126,7 +127,7 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     chunk = triton.cdiv(triton.cdiv(length, splits), BLOCK_L) * BLOCK_L
     splits = triton.cdiv(length, chunk)
     q, cache_k, cache_v = q.contiguous(), cache_k.contiguous(), cache_v.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     parts = torch.empty(splits, heads, rows, head_dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(splits, heads, rows, device=q.device, dtype=torch.float32)
     counters = tile_counters(q.device, heads)

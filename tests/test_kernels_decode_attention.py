@@ -3,13 +3,11 @@ interpreter; its sm_90 compile (tensor-core mma, no spills); the errors for what
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from quantkit.kernels import decode_attention_for
 from quantkit.kernels.decode_attention import BLOCK_L, decode_attention, decode_attention_reference
-from test_kernels_w4a16 import compile_for_sm90
+from test_kernels_w4a16 import compile_for_sm90, poisoned_outputs  # noqa: F401  (a fixture)
 
 
 def attention_inputs(batch: int, kv_heads: int, rows: int, length: int, head_dim: int, dtype: torch.dtype,
@@ -17,14 +15,6 @@ def attention_inputs(batch: int, kv_heads: int, rows: int, length: int, head_dim
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(batch, kv_heads, n, head_dim, generator=gen).to(dtype) for n in (rows, length, length))
     return q, k, v
-
-
-@pytest.fixture
-def poisoned_buffers(monkeypatch):
-    """Every buffer the kernels allocate starts as NaN: a row or split left unwritten shows in the output."""
-    empty, empty_like = torch.empty, torch.empty_like
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(math.nan))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: empty_like(*a, **kw).fill_(math.nan))
 
 
 # (batch, kv heads, query heads per kv head, tokens, cache length, head dim, positions): GQA groups of 1 / 3 / 4,
@@ -41,7 +31,8 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("splits", [None, 1, 3])
-def test_decode_attention_matches_float64(poisoned_buffers, case, dtype: torch.dtype, splits: int | None) -> None:
+@pytest.mark.usefixtures("poisoned_outputs")  # a row or split left unwritten shows as NaN
+def test_decode_attention_matches_float64(case, dtype: torch.dtype, splits: int | None) -> None:
     batch, kv_heads, group, tokens, length, head_dim, positions = case
     q, k, v = attention_inputs(batch, kv_heads, group * tokens, length, head_dim, dtype)
     positions = torch.tensor(positions)
