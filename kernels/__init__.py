@@ -119,19 +119,23 @@ def w4a8_run(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tenso
 SWAP_BLOCK = {16: 512, 8: 128}
 
 
-DECODE_ATTENTION_ROWS = 64  # query rows per kv head (group x tokens) the decode attention kernel takes
+DECODE_ATTENTION_ROWS = 64  # query rows per kv head (group x tokens) the decode attention kernel takes at most
 
 
-def decode_attention_takes(head_dim: int) -> bool:
-    """Whether the decode attention kernel takes this head size (a power of two: its tiles span the head)."""
-    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+def decode_attention_rows(head_dim: int) -> int:
+    """The most query rows per kv head the decode attention kernel takes at this head size; 0 where it takes none
+    (its tiles span the head: a power of two in [16, 256]). Heads of 256 take 32 rows: 64 spilled registers on
+    sm_90 with every tile and warp count tried (kernels/decode_attention.py: tile_shape)."""
+    if not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0):
+        return 0
+    return DECODE_ATTENTION_ROWS if head_dim <= 128 else DECODE_ATTENTION_ROWS // 2
 
 
 def decode_attention_for(device: torch.device, head_dim: int) -> Callable[..., torch.Tensor] | None:
     """The decode attention op (kernels/decode_attention.py; q [B, KVH, rows, D], caches, positions, scale) for a
     static-cache decoder on this device: on CUDA (on CPU only under TRITON_INTERPRET=1) with Triton and a head
     size it takes; None otherwise or with QUANTKIT_DECODE_ATTENTION=0 (then the decoder runs SDPA)."""
-    if (os.environ.get("QUANTKIT_DECODE_ATTENTION", "1") == "0" or not decode_attention_takes(head_dim)
+    if (os.environ.get("QUANTKIT_DECODE_ATTENTION", "1") == "0" or not decode_attention_rows(head_dim)
             or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")):
         return None
     try:

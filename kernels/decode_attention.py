@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import DECODE_ATTENTION_ROWS, decode_attention_takes
+from . import decode_attention_rows
 from .w4a16 import _interpreting, tile_counters
 
 BLOCK_L = 64  # cache slots per tile
@@ -111,15 +111,25 @@ def split_count(heads: int, length: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, heads), triton.cdiv(length, BLOCK_L)))
 
 
+def tile_shape(head_dim: int, rows: int) -> tuple[int, int]:
+    """(BLOCK_R, num_warps) for `rows` query rows per kv head: the fewest warps (4 or 8) with which Triton 3.6 and
+    3.9 compile the tiles for sm_90 without spilling registers (the sm_90 compile test checks every head size and
+    row tile). 4 warps hold Llama-3-8B's decode step (4 rows of 128: BLOCK_R 16, the H100 measurements' case);
+    with 4, 128 x 32 spilled 52 bytes (Triton 3.6), 256 x 16 520 and 64 x 16 8 (Triton 3.9)."""
+    block_r = max(16, triton.next_power_of_2(rows))
+    eight = head_dim * block_r >= 128 * 32 or (head_dim, block_r) == (64, 16)
+    return block_r, 8 if eight else 4
+
+
 def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
                      scale: float, splits: int | None = None) -> torch.Tensor:
     """softmax(q k^T * scale, masked to slots <= each row's position) v; shapes in the module docstring."""
     batch, kv_heads, rows, head_dim = q.shape
     length, tokens = cache_k.shape[2], positions.shape[0]
-    if not decode_attention_takes(head_dim) or rows > DECODE_ATTENTION_ROWS or rows % tokens:
-        raise ValueError(f"decode attention takes head_dim a power of two in [16, 256] and at most "
-                         f"{DECODE_ATTENTION_ROWS} rows of whole tokens per kv head, not head_dim {head_dim}, "
-                         f"{rows} rows, {tokens} tokens")
+    if rows > decode_attention_rows(head_dim) or rows % tokens:
+        raise ValueError(f"decode attention takes head_dim a power of two in [16, 256] and at most 64 rows (32 at "
+                         f"head_dim 256) of whole tokens per kv head, not head_dim {head_dim}, {rows} rows, "
+                         f"{tokens} tokens")
     if cache_k.shape != (batch, kv_heads, length, head_dim) or cache_v.shape != cache_k.shape:
         raise ValueError(f"caches {tuple(cache_k.shape)} / {tuple(cache_v.shape)} do not match q {tuple(q.shape)}")
     heads = batch * kv_heads
@@ -131,10 +141,11 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     parts = torch.empty(splits, heads, rows, head_dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(splits, heads, rows, device=q.device, dtype=torch.float32)
     counters = tile_counters(q.device, heads)
+    block_r, num_warps = tile_shape(head_dim, rows)
     _decode_attention_kernel[(heads, splits)](
         q, cache_k, cache_v, positions, out, parts, lse, counters, scale, rows, tokens, length, chunk,
-        HEAD_DIM=head_dim, BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_L=BLOCK_L, IS_SPLIT=splits > 1,
-        UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(), num_warps=4)
+        HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_L=BLOCK_L, IS_SPLIT=splits > 1,
+        UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(), num_warps=num_warps)
     return out
 
 

@@ -7,9 +7,11 @@ gate/up each fused into one linear as serving engines fuse them, and its own att
 - the cache holds [batch, kv_heads, max_len, head_dim] per layer, written at the step's positions (index_copy_);
 - the query heads sharing a kv head attend as one block of rows: no copy of the cache per query head (at long
   contexts those copies would move more bytes than a 4-bit layer's weights);
-- the mask admits cache positions up to each query's, so a step's shapes never change; a decode step (at most
-  DECODE_ATTENTION_ROWS query rows per kv head) runs quantkit's split-cache kernel (kernels/decode_attention.py),
-  which reads the cache only up to the step's positions, longer steps (prefill) SDPA over the whole cache.
+- the mask admits cache positions up to each query's (and, in a sliding-window layer, past position - window),
+  so a step's shapes never change; a decode step (at most 64 query rows per kv head, 32 with heads of 256) of a
+  full-attention layer runs quantkit's split-cache kernel (kernels/decode_attention.py), which reads the cache
+  only up to the step's positions; longer steps (prefill) and windows shorter than the cache run SDPA over the
+  whole cache.
 Batch rows share their positions (prompts of equal length, the benchmark's case).
 """
 
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantkit.kernels import DECODE_ATTENTION_ROWS, decode_attention_for
+from quantkit.kernels import decode_attention_for, decode_attention_rows
 from quantkit.nn.qlinear import QuantLinear
 
 
@@ -29,11 +31,35 @@ from quantkit.nn.qlinear import QuantLinear
 class DecoderArch:
     """How a Llama-family decoder layer differs between architectures (module names as in transformers)."""
 
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotary embedding
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k before the rotary embedding
+    # Gemma 3: post_attention_layernorm normalizes the attention's output, pre_ / post_feedforward_layernorm the
+    # MLP's input and output (elsewhere post_attention_layernorm is the MLP's input norm)
+    sandwich_norms: bool = False
+    rope_per_layer_type: bool = False  # Gemma 3: rotary_emb(x, positions, layer_type), a base per layer type
+    slides_without_layer_types: bool = False  # Mistral: config.sliding_window (if set) applies to every layer
 
 
-DECODER_ARCHS = {"llama": DecoderArch(), "mistral": DecoderArch(), "qwen2": DecoderArch(),
-                 "qwen3": DecoderArch(qk_norm=True)}
+DECODER_ARCHS = {"llama": DecoderArch(), "mistral": DecoderArch(slides_without_layer_types=True),
+                 "qwen2": DecoderArch(), "qwen3": DecoderArch(qk_norm=True),
+                 "gemma3_text": DecoderArch(qk_norm=True, sandwich_norms=True, rope_per_layer_type=True)}
+
+
+def layer_types(config, arch: DecoderArch) -> list[str]:
+    """Each decoder layer's attention, "full_attention" or "sliding_attention", as transformers masks it."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    slides = arch.slides_without_layer_types and getattr(config, "sliding_window", None) is not None
+    return ["sliding_attention" if slides else "full_attention"] * config.num_hidden_layers
+
+
+def _check_supported(config, arch: DecoderArch | None) -> None:
+    if arch is None:
+        raise ValueError(f"StaticDecoder runs {sorted(DECODER_ARCHS)}, not {config.model_type!r}")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("StaticDecoder does not soft-cap attention logits (config.attn_logit_softcapping)")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("StaticDecoder runs causal attention, not config.use_bidirectional_attention")
 
 
 def fuse_linears(linears: list[nn.Module]) -> nn.Module:
@@ -74,17 +100,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Layer:
-    """One decoder layer's modules, q/k/v and gate/up fused."""
+    """One decoder layer's modules, q/k/v and gate/up fused, its rotary tables [max_len, head_dim] and its sliding
+    window (None: the layer attends to every earlier position of the cache)."""
 
-    def __init__(self, layer: nn.Module, arch: DecoderArch) -> None:
+    def __init__(self, layer: nn.Module, arch: DecoderArch, rotary: tuple[torch.Tensor, torch.Tensor],
+                 window: int | None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm, self.post_attention_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.attention_norm = layer.input_layernorm
+        if arch.sandwich_norms:
+            self.attention_out_norm, self.mlp_norm = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
+            self.mlp_out_norm = layer.post_feedforward_layernorm
+        else:
+            self.attention_out_norm, self.mlp_norm, self.mlp_out_norm = nn.Identity(), layer.post_attention_layernorm, nn.Identity()
         self.qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o, self.down = attn.o_proj, mlp.down_proj
         self.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
         self.act = mlp.act_fn
         self.q_norm, self.k_norm = (attn.q_norm, attn.k_norm) if arch.qk_norm else (None, None)
         self.scaling = attn.scaling
+        self.cos, self.sin = rotary
+        self.window = window
 
 
 class StaticDecoder:
@@ -93,23 +128,24 @@ class StaticDecoder:
     def __init__(self, model: nn.Module, batch_size: int, max_len: int) -> None:
         config = model.config
         arch = DECODER_ARCHS.get(config.model_type)
-        if arch is None:
-            raise ValueError(f"StaticDecoder runs {sorted(DECODER_ARCHS)}, not {config.model_type!r}")
-        window = getattr(config, "sliding_window", None)
-        slides = config.model_type == "mistral" or "sliding_attention" in (getattr(config, "layer_types", None) or ())
-        if slides and window is not None and max_len > window:
-            raise ValueError(f"max_len {max_len} exceeds the sliding window {window}: StaticDecoder attends to "
-                             "every cached position")
+        _check_supported(config, arch)
         base = model.model
         self.embed, self.norm, self.lm_head = base.embed_tokens, base.norm, model.lm_head
-        self.layers = [_Layer(layer, arch) for layer in base.layers]
+        self.logit_cap = getattr(config, "final_logit_softcapping", None)
+        weight = self.embed.weight
+        self.slots = torch.arange(max_len, device=weight.device)
+        rotary = {}  # layer type -> (cos, sin) [max_len, head_dim], the model's dtype: as transformers applies them
+        for kind in set(layer_types(config, arch)):
+            cos, sin = base.rotary_emb(weight[:1], self.slots[None], *([kind] if arch.rope_per_layer_type else []))
+            rotary[kind] = cos[0], sin[0]
+        # a window of max_len or more masks nothing: such layers attend (and run the kernel) as full ones
+        window = getattr(config, "sliding_window", None)
+        self.layers = [_Layer(layer, arch, rotary[kind],
+                              window if kind == "sliding_attention" and window is not None and window < max_len else None)
+                       for layer, kind in zip(base.layers, layer_types(config, arch), strict=True)]
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.max_len = max_len
-        weight = self.embed.weight
-        cos, sin = base.rotary_emb(weight[:1], torch.arange(max_len, device=weight.device)[None])
-        self.cos, self.sin = cos[0], sin[0]  # [max_len, head_dim], the model's dtype: as transformers applies them
-        self.slots = torch.arange(max_len, device=weight.device)
         self.decode_attention = decode_attention_for(weight.device, self.head_dim)
         self.new_cache(batch_size)
 
@@ -125,6 +161,23 @@ class StaticDecoder:
         """The decoder layers' linears as this decoder runs them (q/k/v and gate/up fused)."""
         return [linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
+    def _masks(self, positions: torch.Tensor, tokens: int) -> dict[int | None, torch.Tensor | None]:
+        """Per window of the layers (None: full attention) the SDPA mask [group * tokens, max_len] of the step at
+        `positions` (rows: query head of the group, then token), or None where the decode attention kernel attends
+        (it masks by positions itself)."""
+        group = self.heads // self.kv_heads
+        kernel = self.decode_attention is not None and group * tokens <= decode_attention_rows(self.head_dim)
+        masks = {}
+        for window in {layer.window for layer in self.layers}:
+            if window is None and kernel:
+                masks[window] = None
+                continue
+            mask = self.slots[None] <= positions[:, None]
+            if window is not None:  # transformers' sliding window: key position > query position - window
+                mask = mask & (self.slots[None] > positions[:, None] - window)
+            masks[window] = mask.repeat(group, 1)
+        return masks
+
     def _attention(self, layer: _Layer, x: torch.Tensor, positions: torch.Tensor, index: int,
                    mask: torch.Tensor | None) -> torch.Tensor:
         batch, tokens, _ = x.shape
@@ -133,7 +186,7 @@ class StaticDecoder:
         q, k = q.view(batch, tokens, self.heads, self.head_dim), k.view(batch, tokens, self.kv_heads, self.head_dim)
         if layer.q_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
-        cos, sin = self.cos[positions], self.sin[positions]  # [tokens, head_dim]
+        cos, sin = layer.cos[positions], layer.sin[positions]  # [tokens, head_dim]
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         cache_k, cache_v = self.cache[index]
@@ -152,18 +205,19 @@ class StaticDecoder:
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Logits [batch, tokens (1 if last_only), vocab] of ids [batch, tokens] at cache positions [tokens],
         whose keys and values it writes into the cache. No host synchronisation: a CUDA graph can capture it."""
-        group = self.heads // self.kv_heads
-        mask = None  # the decode attention kernel masks by positions itself
-        if self.decode_attention is None or group * ids.shape[1] > DECODE_ATTENTION_ROWS:
-            mask = (self.slots[None] <= positions[:, None]).repeat(group, 1)  # rows: query head group, then token
+        masks = self._masks(positions, ids.shape[1])
         h = self.embed(ids)
         for index, layer in enumerate(self.layers):
-            h = h + self._attention(layer, layer.input_norm(h), positions, index, mask)
-            gate, up = layer.gate_up(layer.post_attention_norm(h)).chunk(2, dim=-1)
-            h = h + layer.down(layer.act(gate) * up)
+            attention = self._attention(layer, layer.attention_norm(h), positions, index, masks[layer.window])
+            h = h + layer.attention_out_norm(attention)
+            gate, up = layer.gate_up(layer.mlp_norm(h)).chunk(2, dim=-1)
+            h = h + layer.mlp_out_norm(layer.down(layer.act(gate) * up))
         if last_only:
             h = h[:, -1:]
-        return self.lm_head(self.norm(h))
+        logits = self.lm_head(self.norm(h))
+        if self.logit_cap is not None:  # Gemma 2 / 3 configs may soft-cap the final logits
+            logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
+        return logits
 
     def generate(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
         """Greedy continuation [batch, new_tokens] of the prompts ids [batch, tokens] (eager steps)."""

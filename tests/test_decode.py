@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
-from test_adapters import tiny_model
+from test_adapters import TINY, tiny_model
 from torch import nn
+from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
@@ -48,6 +49,38 @@ def check_against_transformers(model: nn.Module, atol: float = 1e-4) -> None:
 def test_decoder_logits_match_transformers(kind: str) -> None:
     """GQA (4 query heads on 2 kv heads), Qwen2's q/k/v bias, Qwen3's q/k norms."""
     check_against_transformers(tiny_model(kind))
+
+
+def tiny_gemma3(**options) -> nn.Module:
+    """Gemma 3 with a sliding layer (window 8: check_against_transformers' steps reach position 10) before a full
+    one, each with its rotary base; scaled embeddings, sandwich norms, q/k norms, query_pre_attn_scalar."""
+    config = Gemma3TextConfig(**TINY, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                              layer_types=["sliding_attention", "full_attention"], **options)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # Gemma's norms scale by 1 + weight, zero at initialization: make them count
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("options", [{}, {"final_logit_softcapping": 0.5}], ids=["gemma3", "gemma3-logit-cap"])
+def test_gemma3_logits_match_transformers(options: dict) -> None:
+    """The sliding layer attends with SDPA under a window mask (its window is shorter than the cache), the full
+    layer's decode steps with the kernel; a final logit cap below the logits' size changes them (tanh)."""
+    model = tiny_gemma3(**options)
+    assert model.config.final_logit_softcapping == options.get("final_logit_softcapping")
+    check_against_transformers(model)
+
+
+def test_mistral_sliding_window_shorter_than_the_cache_matches_transformers() -> None:
+    model = tiny_model("mistral")
+    model.config.sliding_window = 8
+    decoder_windows = [layer.window for layer in StaticDecoder(copy.deepcopy(model), 1, 16).layers]
+    assert decoder_windows == [8, 8]
+    assert [layer.window for layer in StaticDecoder(copy.deepcopy(model), 1, 8).layers] == [None, None]
+    check_against_transformers(model)
 
 
 @pytest.mark.parametrize("act_bits,group", [(16, 32), (8, -1)])
@@ -119,12 +152,12 @@ def test_fusing_mismatched_layers_fails_clearly() -> None:
 
 
 def test_unsupported_models_and_caches_fail_clearly() -> None:
-    with pytest.raises(ValueError, match="not 'gemma3_text'"):
-        StaticDecoder(tiny_model("gemma3"), 1, 16)
-    mistral = tiny_model("mistral")
-    mistral.config.sliding_window = 8
-    with pytest.raises(ValueError, match="sliding window 8"):
-        StaticDecoder(copy.deepcopy(mistral), 1, 16)
+    with pytest.raises(ValueError, match="not 'opt'"):
+        StaticDecoder(tiny_model("opt"), 1, 16)
+    with pytest.raises(ValueError, match="does not soft-cap attention logits"):
+        StaticDecoder(tiny_gemma3(attn_logit_softcapping=50.0), 1, 16)
+    with pytest.raises(ValueError, match="causal attention, not config.use_bidirectional_attention"):
+        StaticDecoder(tiny_gemma3(use_bidirectional_attention=True), 1, 16)
     decoder = StaticDecoder(tiny_model("llama"), batch_size=1, max_len=8)
     with pytest.raises(ValueError, match="do not fit the cache of 1 x 8"):
         decoder.generate(random_ids(1, 6), 3)
@@ -175,21 +208,21 @@ def test_eval_speed_times_each_model_and_reports_speedups(tmp_path, monkeypatch)
     """`quantkit eval --speed` (run_eval's speed_batches): decode steps at each batch size and a prefill per model
     (wall clock on CPU), the speedup over the first model, and a clear note for a model StaticDecoder cannot run."""
     monkeypatch.setenv("QUANTKIT_DECODE_ATTENTION", "0")  # SDPA: the interpreted kernel would take ~30 s here
-    models = {"base": tiny_model("llama"), "w4": tiny_model("llama"), "gemma": tiny_model("gemma3")}
+    models = {"base": tiny_model("llama"), "w4": tiny_model("llama"), "opt": tiny_model("opt")}
     results = run_eval(list(models), texts=[], tasks=[], limit=None, num_fewshot=None, generations=False,
                        report_dir=tmp_path, json_path=None, batch_size=1, device="cpu", console=Console(quiet=True),
                        loader=lambda name: (models[name], None, name), speed_batches=[1, 2], speed_compile="eager")
-    base, w4, gemma = (m["speed"] for m in results["models"])
+    base, w4, opt = (m["speed"] for m in results["models"])
     assert set(base) == {"device", "compiled", "prompt", "attention", "decode_b1", "decode_b2", "prefill_512"}
     assert base["device"] == "cpu" and base["prompt"] == 512 and base["attention"] == "SDPA"
     assert base["compiled"] == "eager"  # Dynamo traced each decode step (no Inductor code generation in a test)
     assert all(base[cell]["ms"] > 0 for cell in ("decode_b1", "decode_b2", "prefill_512"))
     assert base["decode_b2"]["tokens_per_s"] == pytest.approx(2e3 / base["decode_b2"]["ms"])
-    assert "not 'gemma3_text'" in gemma["skipped"]
+    assert "not 'opt'" in opt["skipped"]
     rows = {row[0]: row for row in speed_rows(results)}
     assert rows["decode_b1"][3] == "n/a" and rows["decode_b1"][4] == f"{base['decode_b1']['ms'] / w4['decode_b1']['ms']:.2f}x"
     markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
-    assert "## Speed" in markdown and "Not timed: gemma: StaticDecoder runs" in markdown
+    assert "## Speed" in markdown and "Not timed: opt: StaticDecoder runs" in markdown
     assert "a static KV cache of 512 + 1 positions; decode steps attend with SDPA" in markdown
 
 

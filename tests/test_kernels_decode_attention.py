@@ -25,6 +25,7 @@ CASES = [
     (2, 1, 3, 2, 130, 32, [63, 64]),
     (1, 2, 1, 3, 64, 16, [0, 1, 2]),
     (1, 1, 5, 1, 300, 128, [299]),
+    (1, 1, 4, 8, 140, 256, list(range(100, 108))),  # Gemma 3's heads of 256, 32 rows: 8 warps
 ]
 
 
@@ -59,6 +60,9 @@ def test_what_the_kernel_cannot_take_fails_clearly(monkeypatch) -> None:
     q, k, v = attention_inputs(1, 1, 65, 64, 32, torch.float16)
     with pytest.raises(ValueError, match="at most 64 rows"):
         decode_attention(q, k, v, torch.tensor([3]), 1.0)
+    q, k, v = attention_inputs(1, 1, 33, 64, 256, torch.float16)
+    with pytest.raises(ValueError, match=r"\(32 at head_dim 256\)"):
+        decode_attention(q, k, v, torch.tensor([3]), 1.0)
     q, k, v = attention_inputs(1, 1, 4, 64, 32, torch.float16)
     with pytest.raises(ValueError, match="do not match"):
         decode_attention(q, k[:, :, :, :16], v, torch.tensor([3]), 1.0)
@@ -71,22 +75,27 @@ def test_what_the_kernel_cannot_take_fails_clearly(monkeypatch) -> None:
 DECODE_ATTENTION_COMPILE = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from quantkit.kernels.decode_attention import _decode_attention_kernel
+from quantkit.kernels import decode_attention_rows
+from quantkit.kernels.decode_attention import _decode_attention_kernel, tile_shape
 from quantkit.kernels.sm90 import ptxas_report
 
-for dtype in ("fp16", "bf16"):
+# every head size and row tile the decoder can launch (fp16), and bf16 at Llama-3-8B's decode step (4 rows of 128)
+shapes = [("fp16", head_dim, rows) for head_dim in (16, 32, 64, 128, 256) for rows in (16, 32, 64)
+          if rows <= decode_attention_rows(head_dim)]
+for dtype, head_dim, rows in shapes + [("bf16", 128, 4)]:
+    block_r, num_warps = tile_shape(head_dim, rows)
     sig = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "pos_ptr": "*i64", "out_ptr": "*" + dtype,
            "part_ptr": "*fp32", "lse_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32", "rows": "i32",
            "tokens": "i32", "length": "i32", "chunk": "i32", "HEAD_DIM": "constexpr", "BLOCK_R": "constexpr",
            "BLOCK_L": "constexpr", "IS_SPLIT": "constexpr", "UPCAST_DOT": "constexpr"}
-    consts = {"HEAD_DIM": 128, "BLOCK_R": 16, "BLOCK_L": 64, "IS_SPLIT": True, "UPCAST_DOT": False}
+    consts = {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_L": 64, "IS_SPLIT": True, "UPCAST_DOT": False}
     source = ASTSource(fn=_decode_attention_kernel, signature=sig, constexprs=consts)
-    kernel = compile(source, target=GPUTarget("cuda", 90, 32))
+    kernel = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     ptx = kernel.asm["ptx"]
     assert "mma.sync" in ptx or "wgmma" in ptx, "q k^T and p v not on tensor cores"
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx, "no in-kernel combine of the splits"
     report = ptxas_report(ptx)
-    assert report["spill_bytes"] == 0, report["text"][-2000:]
+    assert report["spill_bytes"] == 0, (dtype, head_dim, rows, report["text"][-2000:])
 print("compiled")
 """
 
