@@ -117,3 +117,15 @@ def test_decode_attention_on_the_gpu_matches_float64_eagerly_and_from_a_graph(dt
     k.normal_(), v.normal_(), positions.fill_(300)
     graph.replay()
     assert relative_error(out, decode_attention_reference(q, k, v, positions, 128 ** -0.5)) < tol
+
+
+@pytest.mark.parametrize("head_dim,group,tokens", [(64, 3, 1), (128, 4, 8), (128, 4, 16), (256, 4, 1), (256, 4, 8)])
+def test_decode_attention_on_the_gpu_takes_every_row_tile(head_dim: int, group: int, tokens: int) -> None:
+    """The row tiles of 8 warps (kernels/decode_attention.py: tile_shape) and SmolLM2's 4 warps at heads of 64,
+    Gemma 3's heads of 256, several tokens a step (a short prefill), against float64."""
+    from quantkit.kernels.decode_attention import decode_attention, decode_attention_reference
+
+    q, k, v = (torch.randn(2, 2, n, head_dim, device="cuda", dtype=torch.float16) for n in (group * tokens, 700, 700))
+    positions = torch.arange(600, 600 + tokens, device="cuda")
+    assert relative_error(decode_attention(q, k, v, positions, head_dim ** -0.5),
+                          decode_attention_reference(q, k, v, positions, head_dim ** -0.5)) < 4e-3
