@@ -191,7 +191,7 @@ def check_decode_attention(decoder: StaticDecoder, batches: list[int], prompt: i
         q, k, v = (torch.randn(batch, decoder.kv_heads, n, decoder.head_dim, device="cuda", dtype=torch.float16)
                    for n in (rows, decoder.max_len, decoder.max_len))
         positions = torch.tensor([prompt], device="cuda")
-        out = decoder.decode_attention(q, k, v, positions, decoder.head_dim ** -0.5).double()
+        out = decoder.decode_attention(q, k, v, positions, decoder.head_dim ** -0.5, 0).double()
         ref = decode_attention_reference(q, k, v, positions, decoder.head_dim ** -0.5).double()
         errors[f"b{batch}"] = ((out - ref).norm() / ref.norm()).item()
     return errors

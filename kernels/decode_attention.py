@@ -5,14 +5,17 @@ head would leave most SMs idle, so each (kv head, cache chunk) pair gets its own
 
 Shapes (quantkit.decode.StaticDecoder's): q [B, KVH, R, D] with R = group * tokens rows (row r = g * tokens + t is
 query head kvh * group + g at the step's token t), cache_k / cache_v [B, KVH, L, D], positions [tokens] (int64):
-row r attends to cache slots 0..positions[r % tokens]. Output [B, KVH, R, D] in q's dtype.
+row r attends to cache slots 0..positions[r % tokens], or with a sliding window W only to the last W of them
+(slots > position - W, as transformers masks). Output [B, KVH, R, D] in q's dtype.
 
-One kernel, grid (B * KVH, splits): a program runs an online softmax over its chunk of the cache in BLOCK_L-slot
-tiles (q k^T and p v on tensor cores, fp32 accumulation, p rounded to the cache's dtype for the second product as
-flash attention does; fp32 under Triton's CPU interpreter, whose bf16 tl.dot is wrong) and writes its rows'
-normalised partial output and log-sum-exp (a chunk past every row's position reads nothing: lse = -inf); the last of
-a kv head's programs to finish (a counter, as w4a16's split-K) combines them, out = sum_s w_s out_s / sum_s w_s with
-w_s = exp(lse_s - max lse), without a second launch (which cost ~1.8 us a layer on an H100).
+One kernel, grid (B * KVH, splits): the splits share the span of slots the step can see (the whole cache, or with a
+window the W + tokens - 1 slots from the first row's window start, found on the device: no host sync), and a program
+runs an online softmax over its chunk of that span in BLOCK_L-slot tiles (q k^T and p v on tensor cores, fp32
+accumulation, p rounded to the cache's dtype for the second product as flash attention does; fp32 under Triton's CPU
+interpreter, whose bf16 tl.dot is wrong) and writes its rows' normalised partial output and log-sum-exp (a chunk
+past every row's position reads nothing: lse = -inf); the last of a kv head's programs to finish (a counter, as
+w4a16's split-K) combines them, out = sum_s w_s out_s / sum_s w_s with w_s = exp(lse_s - max lse), without a second
+launch (which cost ~1.8 us a layer on an H100).
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ PROGRAMS_PER_SM = 1
 
 @triton.jit
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, lse_ptr, count_ptr, scale, rows,
-                             tokens, length, chunk, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_L: tl.constexpr, IS_SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                             tokens, length, chunk, window, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_L: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                             UPCAST_DOT: tl.constexpr):
     head, split = tl.program_id(0), tl.program_id(1)
     heads, splits = tl.num_programs(0), tl.num_programs(1)
     r = tl.arange(0, BLOCK_R)
@@ -43,8 +47,13 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, ls
     q = tl.load(q_ptr + (head * rows + r)[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
     if UPCAST_DOT:
         q = q.to(tl.float32)
-    start = split * chunk
-    stop = tl.minimum(tl.minimum(start + chunk, length), tl.max(pos, 0) + 1)
+    base = 0
+    if HAS_WINDOW:  # the earliest slot any row's window reaches
+        base = tl.maximum(tl.min(tl.where(live, pos, length), 0) - window + 1, 0)
+    start = base + split * chunk
+    stop = tl.minimum(tl.max(pos, 0) + 1, length)
+    if split < splits - 1:  # the last split also takes slots past the span (positions that are not consecutive)
+        stop = tl.minimum(stop, start + chunk)
     cache = head.to(tl.int64) * length * HEAD_DIM
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_R], tl.float32)
@@ -58,7 +67,10 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, ls
         if UPCAST_DOT:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(slots[None, :] <= pos[:, None], s, float("-inf"))
+        visible = slots[None, :] <= pos[:, None]
+        if HAS_WINDOW:
+            visible = visible & (slots[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no slot yet: exp(-inf) = 0, not NaN
         p = tl.exp(s - shift[:, None])
@@ -88,7 +100,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, ls
 def _combined(part_ptr, lse_ptr, head, heads, splits, rows, r, d, live, HEAD_DIM: tl.constexpr,
               BLOCK_R: tl.constexpr):
     """sum_s w_s out_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s), read from L2 (.cg: never a stale L1 line).
-    Split 0 holds slot 0, which every row sees: the max is finite."""
+    Every row sees its own position's slot, in some split: the max is finite."""
     top = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for s in range(splits):
         lse = tl.load(lse_ptr + (s * heads + head) * rows + r, mask=live, other=0.0, cache_modifier=".cg")
@@ -105,10 +117,10 @@ def _combined(part_ptr, lse_ptr, head, heads, splits, rows, r, d, live, HEAD_DIM
     return acc / weights[:, None]
 
 
-def split_count(heads: int, length: int, device: torch.device) -> int:
-    """Cache chunks per kv head: enough programs for PROGRAMS_PER_SM per SM, at least one tile each."""
+def split_count(heads: int, span: int, device: torch.device) -> int:
+    """Chunks of the span per kv head: enough programs for PROGRAMS_PER_SM per SM, at least one tile each."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, heads), triton.cdiv(length, BLOCK_L)))
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, heads), triton.cdiv(span, BLOCK_L)))
 
 
 def tile_shape(head_dim: int, rows: int) -> tuple[int, int]:
@@ -122,8 +134,10 @@ def tile_shape(head_dim: int, rows: int) -> tuple[int, int]:
 
 
 def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
-                     scale: float, splits: int | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale, masked to slots <= each row's position) v; shapes in the module docstring."""
+                     scale: float, window: int = 0, splits: int | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked to slots <= each row's position and, with a window > 0, > position - window)
+    v; shapes in the module docstring. With a window the positions should be consecutive (a decode step, a prefill
+    chunk), else the last split reads the slots past the span alone."""
     batch, kv_heads, rows, head_dim = q.shape
     length, tokens = cache_k.shape[2], positions.shape[0]
     if rows > decode_attention_rows(head_dim) or rows % tokens:
@@ -133,9 +147,12 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     if cache_k.shape != (batch, kv_heads, length, head_dim) or cache_v.shape != cache_k.shape:
         raise ValueError(f"caches {tuple(cache_k.shape)} / {tuple(cache_v.shape)} do not match q {tuple(q.shape)}")
     heads = batch * kv_heads
-    splits = splits or split_count(heads, length, q.device)
-    chunk = triton.cdiv(triton.cdiv(length, splits), BLOCK_L) * BLOCK_L
-    splits = triton.cdiv(length, chunk)
+    if window < 0:
+        raise ValueError(f"window {window}: 0 (none) or the number of slots a row sees")
+    span = min(length, window + tokens - 1) if window else length
+    splits = splits or split_count(heads, span, q.device)
+    chunk = triton.cdiv(triton.cdiv(span, splits), BLOCK_L) * BLOCK_L
+    splits = triton.cdiv(span, chunk)
     q, cache_k, cache_v = q.contiguous(), cache_k.contiguous(), cache_v.contiguous()
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     parts = torch.empty(splits, heads, rows, head_dim, device=q.device, dtype=torch.float32)
@@ -143,27 +160,28 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     counters = tile_counters(q.device, heads)
     block_r, num_warps = tile_shape(head_dim, rows)
     _decode_attention_kernel[(heads, splits)](
-        q, cache_k, cache_v, positions, out, parts, lse, counters, scale, rows, tokens, length, chunk,
-        HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_L=BLOCK_L, IS_SPLIT=splits > 1,
+        q, cache_k, cache_v, positions, out, parts, lse, counters, scale, rows, tokens, length, chunk, window,
+        HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_L=BLOCK_L, IS_SPLIT=splits > 1, HAS_WINDOW=window > 0,
         UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(), num_warps=num_warps)
     return out
 
 
 @torch.library.custom_op("quantkit::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, window: int) -> torch.Tensor:
     """decode_attention as a custom op: torch.compile calls it as one opaque kernel."""
-    return decode_attention(q, cache_k, cache_v, positions, scale)
+    return decode_attention(q, cache_k, cache_v, positions, scale, window)
 
 
 decode_attention_op.register_fake(lambda q, *args: q.new_empty(q.shape))
 
 
 def decode_attention_reference(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                               positions: torch.Tensor, scale: float) -> torch.Tensor:
+                               positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """The same in float64 with an explicit mask (the tests' reference)."""
     rows, tokens = q.shape[2], positions.shape[0]
-    row_positions = positions[torch.arange(rows, device=q.device) % tokens]
-    mask = torch.arange(cache_k.shape[2], device=q.device)[None] <= row_positions[:, None]
+    row_positions = positions[torch.arange(rows, device=q.device) % tokens][:, None]
+    slots = torch.arange(cache_k.shape[2], device=q.device)[None]
+    mask = (slots <= row_positions) & ((slots > row_positions - window) if window else True)
     scores = (q.double() @ cache_k.double().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
     return (scores.softmax(-1) @ cache_v.double()).to(q.dtype)

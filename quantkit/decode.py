@@ -8,10 +8,9 @@ gate/up each fused into one linear as serving engines fuse them, and its own att
 - the query heads sharing a kv head attend as one block of rows: no copy of the cache per query head (at long
   contexts those copies would move more bytes than a 4-bit layer's weights);
 - the mask admits cache positions up to each query's (and, in a sliding-window layer, past position - window),
-  so a step's shapes never change; a decode step (at most 64 query rows per kv head, 32 with heads of 256) of a
-  full-attention layer runs quantkit's split-cache kernel (kernels/decode_attention.py), which reads the cache
-  only up to the step's positions; longer steps (prefill) and windows shorter than the cache run SDPA over the
-  whole cache.
+  so a step's shapes never change; a decode step (at most 64 query rows per kv head, 32 with heads of 256) runs
+  quantkit's split-cache kernel (kernels/decode_attention.py), which reads the cache only up to the step's
+  positions (and from its window's start), longer steps (prefill) SDPA over the whole cache.
 Batch rows share their positions (prompts of equal length, the benchmark's case).
 """
 
@@ -163,15 +162,14 @@ class StaticDecoder:
 
     def _masks(self, positions: torch.Tensor, tokens: int) -> dict[int | None, torch.Tensor | None]:
         """Per window of the layers (None: full attention) the SDPA mask [group * tokens, max_len] of the step at
-        `positions` (rows: query head of the group, then token), or None where the decode attention kernel attends
-        (it masks by positions itself)."""
+        `positions` (rows: query head of the group, then token), or None for all when the decode attention kernel
+        attends (it masks by positions and window itself)."""
         group = self.heads // self.kv_heads
-        kernel = self.decode_attention is not None and group * tokens <= decode_attention_rows(self.head_dim)
+        windows = {layer.window for layer in self.layers}
+        if self.decode_attention is not None and group * tokens <= decode_attention_rows(self.head_dim):
+            return dict.fromkeys(windows)
         masks = {}
-        for window in {layer.window for layer in self.layers}:
-            if window is None and kernel:
-                masks[window] = None
-                continue
+        for window in windows:
             mask = self.slots[None] <= positions[:, None]
             if window is not None:  # transformers' sliding window: key position > query position - window
                 mask = mask & (self.slots[None] > positions[:, None] - window)
@@ -195,7 +193,7 @@ class StaticDecoder:
         group = self.heads // self.kv_heads  # query head h reads kv head h // group (transformers' repeat_kv)
         q = q.reshape(batch, self.kv_heads, group * tokens, self.head_dim)
         if mask is None:
-            out = self.decode_attention(q, cache_k, cache_v, positions, layer.scaling)
+            out = self.decode_attention(q, cache_k, cache_v, positions, layer.scaling, layer.window or 0)
         else:
             out = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask, scale=layer.scaling)
         out = out.view(batch, self.heads, tokens, self.head_dim).transpose(1, 2).reshape(batch, tokens, q_size)

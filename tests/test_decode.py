@@ -67,8 +67,8 @@ def tiny_gemma3(**options) -> nn.Module:
 
 @pytest.mark.parametrize("options", [{}, {"final_logit_softcapping": 0.5}], ids=["gemma3", "gemma3-logit-cap"])
 def test_gemma3_logits_match_transformers(options: dict) -> None:
-    """The sliding layer attends with SDPA under a window mask (its window is shorter than the cache), the full
-    layer's decode steps with the kernel; a final logit cap below the logits' size changes them (tanh)."""
+    """Both layers on the kernel, the sliding one with its window (shorter than the cache); a final logit cap below
+    the logits' size changes them (tanh)."""
     model = tiny_gemma3(**options)
     assert model.config.final_logit_softcapping == options.get("final_logit_softcapping")
     check_against_transformers(model)
@@ -95,10 +95,12 @@ def test_decoder_on_quantized_layers_matches_transformers(act_bits: int, group: 
     check_against_transformers(model)
 
 
-def test_a_long_prefill_runs_sdpa_and_the_steps_after_it_the_kernel() -> None:
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_a_long_prefill_runs_sdpa_and_the_steps_after_it_the_kernel(kind: str) -> None:
     """40 prompt tokens x 2 query heads per kv head = 80 rows > DECODE_ATTENTION_ROWS: the prefill attends with SDPA
-    over the masked cache, the decode steps after it with the kernel, on the cache the prefill wrote."""
-    model = tiny_model("llama")
+    over the masked cache (Gemma 3's sliding layer under a window mask of 8), the decode steps after it with the
+    kernel, on the cache the prefill wrote."""
+    model = tiny_model("llama") if kind == "llama" else tiny_gemma3()
     ids = random_ids(1, 43)
     with torch.no_grad():
         expected = model(ids).logits
