@@ -106,11 +106,11 @@ class _Layer:
                  window: int | None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.attention_norm = layer.input_layernorm
+        self.attention_out_norm, self.mlp_out_norm = nn.Identity(), nn.Identity()
+        self.mlp_norm = layer.post_attention_layernorm
         if arch.sandwich_norms:
             self.attention_out_norm, self.mlp_norm = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
             self.mlp_out_norm = layer.post_feedforward_layernorm
-        else:
-            self.attention_out_norm, self.mlp_norm, self.mlp_out_norm = nn.Identity(), layer.post_attention_layernorm, nn.Identity()
         self.qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o, self.down = attn.o_proj, mlp.down_proj
         self.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
