@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_kernels import printing_log, random_layer, run_meta
+from bench_kernels import printing_log, random_layer, relative_error, run_meta
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from quantkit.decode import StaticDecoder
@@ -107,8 +107,8 @@ def check_layers(decoder: StaticDecoder, token_counts: tuple[int, ...]) -> dict:
             continue
         for m in token_counts:
             x = torch.randn(m, linear.in_features, device=linear.scales.device, dtype=linear.scales.dtype)
-            out, ref = linear(x).float(), linear.reference_forward(x).float()
-            errors[f"{name}_m{m}"] = dict(rel_err=((out - ref).norm() / ref.norm()).item(),
+            out = linear(x)
+            errors[f"{name}_m{m}"] = dict(rel_err=relative_error(out, linear.reference_forward(x)),
                                           nonfinite=int((~out.isfinite()).sum()))
     return errors
 
@@ -124,11 +124,8 @@ def check_step(decoder: StaticDecoder, prompt: int, vocab: int) -> dict:
     reference = _prefill_then_step(decoder, ids)
     for linear in quantized:
         linear.cache_dense_weight(False)
-
-    def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-        return ((out - ref).norm() / ref.norm()).item()
-
-    return dict(rel_err=rel_err(on_kernels[1], reference[1]), prefill_rel_err=rel_err(on_kernels[0], reference[0]),
+    return dict(rel_err=relative_error(on_kernels[1], reference[1]),
+                prefill_rel_err=relative_error(on_kernels[0], reference[0]),
                 same_top_token=bool(on_kernels[1].argmax() == reference[1].argmax()),
                 nonfinite_kernels=int((~on_kernels[1].isfinite()).sum() + (~on_kernels[0].isfinite()).sum()),
                 nonfinite_reference=int((~reference[1].isfinite()).sum() + (~reference[0].isfinite()).sum()))
@@ -191,9 +188,9 @@ def check_decode_attention(decoder: StaticDecoder, batches: list[int], prompt: i
         q, k, v = (torch.randn(batch, decoder.kv_heads, n, decoder.head_dim, device="cuda", dtype=torch.float16)
                    for n in (rows, decoder.max_len, decoder.max_len))
         positions = torch.tensor([prompt], device="cuda")
-        out = decoder.decode_attention(q, k, v, positions, decoder.head_dim ** -0.5, 0).double()
-        ref = decode_attention_reference(q, k, v, positions, decoder.head_dim ** -0.5).double()
-        errors[f"b{batch}"] = ((out - ref).norm() / ref.norm()).item()
+        out = decoder.decode_attention(q, k, v, positions, decoder.head_dim ** -0.5, 0)
+        errors[f"b{batch}"] = relative_error(out, decode_attention_reference(q, k, v, positions,
+                                                                             decoder.head_dim ** -0.5))
     return errors
 
 

@@ -143,9 +143,9 @@ def check_correctness(log, schemes: list[str]) -> int:
             ref = reference(layer, x)
             configs = candidates(scheme, m, 776, 1024, layer.group_size)
             for cfg in configs if sweep else configs[:1]:
-                failures += _failed(log, _rel_err(run_config(layer, x, cfg), ref), tol,
+                failures += _failed(log, relative_error(run_config(layer, x, cfg), ref), tol,
                                     f"{scheme} g{group} {dtype} sym={sym} m={m} {cfg}")
-            failures += _failed(log, _rel_err(forward(x), ref), tol, f"forward {scheme} g{group} {dtype} sym={sym} m={m}")
+            failures += _failed(log, relative_error(forward(x), ref), tol, f"forward {scheme} g{group} {dtype} sym={sym} m={m}")
         log(f"checked {scheme} g{group} {dtype} sym={sym}")
     return failures
 
@@ -417,7 +417,7 @@ def _poisoned_run(layer: QuantLinear, x: torch.Tensor, cfg: dict) -> torch.Tenso
 def _checked_err(layer: QuantLinear, x: torch.Tensor, cfg: dict, ref: torch.Tensor, log) -> float:
     """Relative error of cfg's poisoned run; inf (logged) when it fails to compile or run."""
     try:
-        return _rel_err(_poisoned_run(layer, x, cfg), ref)
+        return relative_error(_poisoned_run(layer, x, cfg), ref)
     except Exception as err:  # a compile error is a failed check, not the end of the sweep
         log(f"ERROR {cfg}: {type(err).__name__}: {str(err)[:2000]}")
         return float("inf")
@@ -431,8 +431,9 @@ def _failed(log, err: float, tol: float, what: str) -> int:
     return 1
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    err = ((out.double() - ref).norm() / ref.norm()).item()
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf where it is not finite (a NaN fails every `err < tol`, and says so)."""
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     return err if math.isfinite(err) else float("inf")
 
 

@@ -25,7 +25,6 @@ import torch
 from bench_kernels import (
     DTYPE,
     SHAPES,
-    _rel_err,
     config_runner,
     copies_for,
     cublas_time,
@@ -33,6 +32,7 @@ from bench_kernels import (
     printing_log,
     random_layer,
     reference,
+    relative_error,
     run_meta,
 )
 from quantkit.kernels import SWAP_BLOCK, make_kernel_forward
@@ -74,7 +74,7 @@ def time_config(scheme: str, cfg: dict, layers: list, packs: dict[str, list], xs
     """cfg on every layout its K tile fits: time, weight TB/s, and (M = 1, TMA gemv) its ring copy's."""
     calls = [caller(scheme, la, cfg) for la in layers]
     plain = calls[0](xs[0], packs["plain"][0])
-    err = _rel_err(plain, ref)
+    err = relative_error(plain, ref)
     rows = []
     for name, copies in packs.items():
         if name != "plain" and int(name[1:]) % cfg["BLOCK_K"]:
