@@ -132,8 +132,8 @@ def decode_attention_rows(head_dim: int) -> int:
 
 
 def decode_attention_for(device: torch.device, head_dim: int) -> Callable[..., torch.Tensor] | None:
-    """The decode attention op (kernels/decode_attention.py; q [B, KVH, rows, D], caches, positions, scale) for a
-    static-cache decoder on this device: on CUDA (on CPU only under TRITON_INTERPRET=1) with Triton and a head
+    """The decode attention op (kernels/decode_attention.py; q [B, KVH, rows, D], caches, positions, scale, window)
+    for a static-cache decoder on this device: on CUDA (on CPU only under TRITON_INTERPRET=1) with Triton and a head
     size it takes; None otherwise or with QUANTKIT_DECODE_ATTENTION=0 (then the decoder runs SDPA)."""
     if (os.environ.get("QUANTKIT_DECODE_ATTENTION", "1") == "0" or not decode_attention_rows(head_dim)
             or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")):

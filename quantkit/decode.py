@@ -133,15 +133,16 @@ class StaticDecoder:
         self.logit_cap = getattr(config, "final_logit_softcapping", None)
         weight = self.embed.weight
         self.slots = torch.arange(max_len, device=weight.device)
+        kinds = layer_types(config, arch)
         rotary = {}  # layer type -> (cos, sin) [max_len, head_dim], the model's dtype: as transformers applies them
-        for kind in set(layer_types(config, arch)):
+        for kind in set(kinds):
             cos, sin = base.rotary_emb(weight[:1], self.slots[None], *([kind] if arch.rope_per_layer_type else []))
             rotary[kind] = cos[0], sin[0]
-        # a window of max_len or more masks nothing: such layers attend (and run the kernel) as full ones
         window = getattr(config, "sliding_window", None)
-        self.layers = [_Layer(layer, arch, rotary[kind],
-                              window if kind == "sliding_attention" and window is not None and window < max_len else None)
-                       for layer, kind in zip(base.layers, layer_types(config, arch), strict=True)]
+        if window is not None and window >= max_len:
+            window = None  # it masks nothing: sliding layers attend (and run the kernel) as full ones
+        self.layers = [_Layer(layer, arch, rotary[kind], window if kind == "sliding_attention" else None)
+                       for layer, kind in zip(base.layers, kinds, strict=True)]
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.max_len = max_len
