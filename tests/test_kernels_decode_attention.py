@@ -17,15 +17,21 @@ def attention_inputs(batch: int, kv_heads: int, rows: int, length: int, head_dim
     return q, k, v
 
 
-# (batch, kv heads, query heads per kv head, tokens, cache length, head dim, positions): GQA groups of 1 / 3 / 4,
-# odd row counts, caches of one tile, of a partial last tile and of several chunks, positions at a chunk's first
-# and last slots, several tokens of one step at consecutive positions (a prefill's rows).
+# (batch, kv heads, query heads per kv head, tokens, cache length, head dim, positions, window): GQA groups of
+# 1 / 3 / 4, odd row counts, caches of one tile, of a partial last tile and of several chunks, positions at a chunk's
+# first and last slots, several tokens of one step at consecutive positions (a prefill's rows); then sliding windows
+# (0: none) shorter than a tile, of several tiles and chunks, starting at slot 0 and past it, several tokens (each
+# row its own window start), positions that are not consecutive (the last split reads past the span).
 CASES = [
-    (1, 2, 4, 1, 200, 64, [137]),
-    (2, 1, 3, 2, 130, 32, [63, 64]),
-    (1, 2, 1, 3, 64, 16, [0, 1, 2]),
-    (1, 1, 5, 1, 300, 128, [299]),
-    (1, 1, 4, 8, 140, 256, list(range(100, 108))),  # Gemma 3's heads of 256, 32 rows: 8 warps
+    (1, 2, 4, 1, 200, 64, [137], 0),
+    (2, 1, 3, 2, 130, 32, [63, 64], 0),
+    (1, 2, 1, 3, 64, 16, [0, 1, 2], 0),
+    (1, 1, 5, 1, 300, 128, [299], 0),
+    (1, 1, 4, 8, 140, 256, list(range(100, 108)), 0),  # Gemma 3's heads of 256, 32 rows: 8 warps
+    (2, 2, 4, 1, 300, 32, [250], 20),
+    (2, 1, 3, 3, 400, 64, [390, 391, 392], 130),
+    (2, 2, 2, 2, 200, 16, [5, 6], 64),
+    (2, 1, 4, 2, 260, 32, [100, 230], 40),
 ]
 
 
@@ -34,39 +40,16 @@ CASES = [
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.usefixtures("poisoned_outputs")  # a row or split left unwritten shows as NaN
 def test_decode_attention_matches_float64(case, dtype: torch.dtype, splits: int | None) -> None:
-    batch, kv_heads, group, tokens, length, head_dim, positions = case
+    batch, kv_heads, group, tokens, length, head_dim, positions, window = case
     q, k, v = attention_inputs(batch, kv_heads, group * tokens, length, head_dim, dtype)
-    positions = torch.tensor(positions)
-    out = decode_attention(q, k, v, positions, head_dim ** -0.5, splits=splits)
-    expected = decode_attention_reference(q, k, v, positions, head_dim ** -0.5)
-    assert out.dtype == dtype and not out.isnan().any()
-    tol = 2e-3 if dtype == torch.float16 else 1.6e-2  # p rounded to the cache's dtype, out to q's
-    torch.testing.assert_close(out.double(), expected.double(), atol=tol, rtol=tol)
-
-
-# (kv heads, query heads per kv head, cache length, head dim, positions, window): windows shorter than a tile, of
-# several tiles and chunks, starting at slot 0 and past it; several tokens (each row its own window start);
-# positions that are not consecutive (the last split reads past the span)
-WINDOWED = [
-    (2, 4, 300, 32, [250], 20),
-    (1, 3, 400, 64, [390, 391, 392], 130),
-    (2, 2, 200, 16, [5, 6], 64),
-    (1, 4, 260, 32, [100, 230], 40),
-]
-
-
-@pytest.mark.parametrize("splits", [None, 1, 3])
-@pytest.mark.parametrize("case", WINDOWED)
-@pytest.mark.usefixtures("poisoned_outputs")
-def test_sliding_window_attention_matches_float64(case, splits: int | None) -> None:
-    kv_heads, group, length, head_dim, positions, window = case
-    q, k, v = attention_inputs(2, kv_heads, group * len(positions), length, head_dim, torch.float16)
     positions = torch.tensor(positions)
     out = decode_attention(q, k, v, positions, head_dim ** -0.5, window, splits=splits)
     expected = decode_attention_reference(q, k, v, positions, head_dim ** -0.5, window)
-    torch.testing.assert_close(out.double(), expected.double(), atol=2e-3, rtol=2e-3)
-    whole = decode_attention_reference(q, k, v, positions, head_dim ** -0.5)
-    if positions.max() >= window:  # a window that leaves slots out changes the output
+    assert out.dtype == dtype and not out.isnan().any()
+    tol = 2e-3 if dtype == torch.float16 else 1.6e-2  # p rounded to the cache's dtype, out to q's
+    torch.testing.assert_close(out.double(), expected.double(), atol=tol, rtol=tol)
+    if window and positions.max() >= window:  # a window that leaves slots out changes the output
+        whole = decode_attention_reference(q, k, v, positions, head_dim ** -0.5)
         assert (whole.double() - expected.double()).abs().max() > 0.05
 
 
