@@ -1,4 +1,5 @@
-"""quantkit.decode: the static-cache decoder that times models end to end computes what transformers computes."""
+"""quantkit.eval.static_decoder: the static-cache decoder that times models end to end computes what transformers
+computes."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
-from quantkit.decode import StaticDecoder, fuse_linears
 from quantkit.engine import quantize_model
 from quantkit.eval.report import speed_rows
 from quantkit.eval.runner import run_eval
+from quantkit.eval.static_decoder import StaticDecoder, fuse_linears
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear
 
