@@ -1,7 +1,7 @@
 """One declarative entry per architecture: what calibration and the static-cache decoder need to know of it.
 
-One architecture = one ArchAdapter, found by any of its config.json model_type values (get_adapter). Module names
-in a layer's parts are relative to a decoder layer, the others to the causal LM.
+One architecture = one ArchAdapter, found by any of its config.json model_type values (get_adapter). `sequential`,
+`fused` and `scaling_groups` name modules of a decoder layer; `layers` and `outer` name modules of the causal LM.
   layers          the decoder layers' nn.ModuleList.
   sequential      the order in which linears are quantized: each step's inputs are recomputed with
                   every earlier step already quantized (GPTQ's "true sequential").
