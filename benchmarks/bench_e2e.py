@@ -6,8 +6,8 @@
 
 Random weights (speed does not depend on their values): the fp16 model from Llama-3-8B's config, then each scheme's
 random QuantLinears (g128 symmetric; W4A8 with QQQ's two-level scales, bench_kernels.random_layer) in place of every
-decoder linear; embeddings and lm_head stay fp16 in all. quantkit.decode.StaticDecoder runs each model (q/k/v and
-gate/up fused, as serving engines fuse them; a static KV cache of prompt + 64 positions).
+decoder linear; embeddings and lm_head stay fp16 in all. quantkit.eval.static_decoder.StaticDecoder runs each model
+(q/k/v and gate/up fused, as serving engines fuse them; a static KV cache of prompt + 64 positions).
 - decode: one step of `batch` tokens at position `prompt`, captured in a CUDA graph and replayed (median ms per
   step), tokens/s, and the bytes a step must read (linear weights and scales, lm_head, the whole cache) per second
   (on an H200 against its 4.25 TB/s copy roof); for --compiled-batches also through torch.compile (fullgraph), whose
@@ -37,8 +37,8 @@ import torch
 from bench_kernels import printing_log, random_layer, relative_error, run_meta
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from quantkit.decode import StaticDecoder
 from quantkit.eval.speed import compiled_step, median_seconds
+from quantkit.eval.static_decoder import StaticDecoder
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear, pack_along_rows
 

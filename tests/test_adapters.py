@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -16,8 +18,10 @@ from transformers import (
 )
 
 from quantkit.models import ADAPTERS, get_adapter
+from quantkit.models.adapters import supported_model_types
 from quantkit.qtensor import QuantizationError
 
+KINDS = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "opt"]
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
 
@@ -36,7 +40,7 @@ def tiny_model(kind: str) -> nn.Module:
     return AutoModelForCausalLM.from_config(configs[kind]()).eval()
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "opt"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_adapter_names_exist(kind: str) -> None:
     model = tiny_model(kind)
     adapter = get_adapter(model)
@@ -52,6 +56,42 @@ def test_adapter_names_exist(kind: str) -> None:
     # every linear of a decoder layer is covered by the sequential steps
     linears = {n for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
     assert linears == set(adapter.linear_names())
+    outer = adapter.outer
+    assert model.get_submodule(outer.embeddings[0]) is model.get_input_embeddings()
+    assert model.get_submodule(outer.lm_head) is model.get_output_embeddings()
+    for name in (*outer.embeddings[1:], outer.final_norm):
+        model.get_submodule(name)
+    rotaries = [name for name, module in model.named_modules() if "Rotary" in type(module).__name__]
+    assert rotaries == ([outer.rotary] if outer.rotary else [])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decoder_traits_agree_with_transformers_modules(kind: str) -> None:
+    """Each trait against what transformers builds for the architecture (None: OPT, not a Llama-family layer)."""
+    model = tiny_model(kind)
+    adapter, config = get_adapter(model), model.config
+    traits = adapter.decoder
+    if traits is None:
+        assert kind == "opt"
+        return
+    layer, rotary = adapter.get_layers(model)[0], model.get_submodule(adapter.outer.rotary)
+    assert traits.qk_norm == hasattr(layer.self_attn, "q_norm") == hasattr(layer.self_attn, "k_norm")
+    assert traits.sandwich_norms == hasattr(layer, "pre_feedforward_layernorm") == hasattr(
+        layer, "post_feedforward_layernorm")
+    assert traits.rope_per_layer_type == ("layer_type" in inspect.signature(rotary.forward).parameters)
+    assert traits.slides_without_layer_types == (hasattr(config, "sliding_window")
+                                                 and not hasattr(config, "layer_types"))
+
+
+def test_every_model_type_resolves_to_its_entry() -> None:
+    """Aliases included (Gemma 3: "gemma3_text", what Gemma3TextConfig says, and "gemma3"); the decoder's list is
+    the entries with decoder traits."""
+    for adapter in ADAPTERS:
+        for model_type in adapter.model_types:
+            assert get_adapter(model_type) is adapter
+    assert get_adapter("gemma3") is get_adapter(tiny_model("gemma3"))
+    assert supported_model_types() == sorted(t for a in ADAPTERS for t in a.model_types)
+    assert supported_model_types(decoder=True) == ["gemma3", "gemma3_text", "llama", "mistral", "qwen2", "qwen3"]
 
 
 def test_every_adapter_has_distinct_model_types() -> None:

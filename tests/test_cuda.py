@@ -74,14 +74,14 @@ def test_a_layer_moved_to_the_gpu_runs_its_kernels_on_one_weight_copy(scheme: st
 
 
 def test_a_compiled_decoder_step_on_quantized_layers_matches_the_eager_one() -> None:
-    """quantkit.decode on a GPU: fused quantized q/k/v and gate/up, torch.compile(fullgraph) of a whole step."""
+    """The static-cache decoder on a GPU: fused quantized q/k/v and gate/up, torch.compile(fullgraph) of a step."""
     from test_adapters import tiny_model
 
     from quantkit.config import QuantConfig
     from quantkit.data import CalibrationSet
-    from quantkit.decode import StaticDecoder
     from quantkit.engine import quantize_model
     from quantkit.eval.speed import compiled_step
+    from quantkit.eval.static_decoder import StaticDecoder
     from quantkit.models import get_adapter
 
     model = tiny_model("llama")

@@ -1,4 +1,5 @@
-"""quantkit.decode: the static-cache decoder that times models end to end computes what transformers computes."""
+"""quantkit.eval.static_decoder: the static-cache decoder that times models end to end computes what transformers
+computes."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
-from quantkit.decode import StaticDecoder, fuse_linears
 from quantkit.engine import quantize_model
 from quantkit.eval.report import speed_rows
 from quantkit.eval.runner import run_eval
+from quantkit.eval.static_decoder import StaticDecoder, fuse_linears
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear
+from quantkit.qtensor import QuantizationError
 
 PROMPT, STEPS = 7, 4
 
@@ -153,9 +155,18 @@ def test_fusing_mismatched_layers_fails_clearly() -> None:
         fuse_linears([a, nn.Linear(64, 8)])
 
 
+@pytest.mark.parametrize("model_type", ["opt", "gpt_bigcode"])
+def test_an_architecture_the_decoder_does_not_run_is_refused_in_one_line(model_type: str) -> None:
+    """OPT has an entry without decoder traits; gpt_bigcode has no entry: one line naming what the decoder runs."""
+    model = tiny_model("opt")
+    model.config.model_type = model_type
+    with pytest.raises(QuantizationError) as err:
+        StaticDecoder(model, 1, 16)
+    assert str(err.value) == ("StaticDecoder runs model_type gemma3, gemma3_text, llama, mistral, qwen2, qwen3, "
+                              f"not {model_type!r}")
+
+
 def test_unsupported_models_and_caches_fail_clearly() -> None:
-    with pytest.raises(ValueError, match="not 'opt'"):
-        StaticDecoder(tiny_model("opt"), 1, 16)
     with pytest.raises(ValueError, match="does not soft-cap attention logits"):
         StaticDecoder(tiny_gemma3(attn_logit_softcapping=50.0), 1, 16)
     with pytest.raises(ValueError, match="causal attention, not config.use_bidirectional_attention"):

@@ -213,7 +213,7 @@ def markdown_report(results: dict, plots: list[str]) -> str:
         lines += [
             "## Speed",
             "",
-            "quantkit.decode.StaticDecoder's steps (q/k/v and gate/up fused, a static KV cache of "
+            "quantkit.eval.static_decoder.StaticDecoder's steps (q/k/v and gate/up fused, a static KV cache of "
             f"{prompt} + 1 positions; decode steps attend with {attention}): one decode step of B tokens "
             f"(decode_bB) and the prefill of one {prompt}-token prompt, median of CUDA-graph replays on a "
             "GPU (wall clock on a CPU)"

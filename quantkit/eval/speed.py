@@ -1,4 +1,4 @@
-"""Decode and prefill speed of a model as a serving engine runs it: quantkit.decode.StaticDecoder's fixed-shape steps
+"""Decode and prefill speed of a model as a serving engine runs it: static_decoder.StaticDecoder's fixed-shape steps
 (q/k/v and gate/up fused, static KV cache), replayed from a CUDA graph on a GPU, so that Python's launch overhead
 is not counted as the model's time (eager, wall-clock, on a CPU)."""
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from quantkit.decode import StaticDecoder
+from quantkit.eval.static_decoder import StaticDecoder
 
 PROMPT_TOKENS = 512
 REPS = 30

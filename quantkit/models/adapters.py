@@ -1,6 +1,8 @@
-"""Declarative per-architecture entries: where the decoder layers are and how their linears group.
+"""One declarative entry per architecture: what calibration and the static-cache decoder need to know of it.
 
-One architecture = one ArchAdapter. Module names are relative to a decoder layer.
+One architecture = one ArchAdapter, found by any of its config.json model_type values (get_adapter). `sequential`,
+`fused` and `scaling_groups` name modules of a decoder layer; `layers` and `outer` name modules of the causal LM.
+  layers          the decoder layers' nn.ModuleList.
   sequential      the order in which linears are quantized: each step's inputs are recomputed with
                   every earlier step already quantized (GPTQ's "true sequential").
   fused           linears that serving engines fuse into one GEMM (qkv, gate_up): they must share
@@ -10,9 +12,21 @@ One architecture = one ArchAdapter. Module names are relative to a decoder layer
                   whose output measures the loss (None: the linears themselves).
   norm            how `prev` norms hold their weight: "rms" (y = x̂·w), "rms_one_plus" (Gemma:
                   y = x̂·(1+w)), "layernorm" (y = x̂·w + b).
+  outer           the modules outside the decoder layers (OuterModules): embeddings, final norm, lm_head,
+                  rotary tables.
+  decoder         how a Llama-family layer of this architecture differs from Llama's (DecoderTraits), for the
+                  static-cache decoder (quantkit/eval/static_decoder.py); None: it does not run it.
 
-To add an architecture: write one ArchAdapter below, with the model_type strings of its
-config.json, and add a random-weight model of it to tests/test_adapters.py.
+To add an architecture: write one ArchAdapter in ADAPTERS below, with every model_type string of its config.json,
+its decoder traits if quantkit/eval/static_decoder.py runs it, and add a random-weight model of it to
+tests/test_adapters.py (which checks every name and trait against transformers' modules).
+
+What comes next extends an entry the same way, a nested frozen part per concern:
+- mixture of experts: an `experts` part saying where a layer's experts are (e.g. "mlp.experts", its router
+  "mlp.gate") and whether transformers holds them as fused 3-D parameters (transformers 5's Qwen3-MoE:
+  gate_up_proj [experts, 2 x intermediate, hidden], down_proj [experts, hidden, intermediate]) or as one module of
+  nn.Linears per expert; None for dense models.
+- streaming from a checkpoint: `outer` names what to load whole; the layers load one at a time.
 """
 
 from __future__ import annotations
@@ -34,6 +48,28 @@ class ScalingGroup:
 
 
 @dataclass(frozen=True)
+class OuterModules:
+    """The causal LM's modules outside its decoder layers, as transformers names them."""
+
+    embeddings: tuple[str, ...]  # token embeddings first, then any learned position embeddings (OPT)
+    final_norm: str
+    lm_head: str = "lm_head"
+    rotary: str | None = None  # the rotary tables' module (None: no rotary embedding)
+
+
+@dataclass(frozen=True)
+class DecoderTraits:
+    """How a Llama-family decoder layer differs from Llama's (module names as in transformers)."""
+
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k before the rotary embedding
+    # Gemma 3: post_attention_layernorm normalizes the attention's output, pre_ / post_feedforward_layernorm the
+    # MLP's input and output (elsewhere post_attention_layernorm is the MLP's input norm)
+    sandwich_norms: bool = False
+    rope_per_layer_type: bool = False  # Gemma 3: rotary_emb(x, positions, layer_type), a base per layer type
+    slides_without_layer_types: bool = False  # Mistral: config.sliding_window (if set) applies to every layer
+
+
+@dataclass(frozen=True)
 class ArchAdapter:
     name: str
     model_types: tuple[str, ...]
@@ -41,7 +77,9 @@ class ArchAdapter:
     sequential: tuple[tuple[str, ...], ...]
     fused: tuple[tuple[str, ...], ...]
     scaling_groups: tuple[ScalingGroup, ...]
+    outer: OuterModules
     norm: str = "rms"
+    decoder: DecoderTraits | None = None
 
     def get_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(self.layers)
@@ -52,10 +90,11 @@ class ArchAdapter:
 
 _ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _MLP = ("mlp.gate_proj", "mlp.up_proj")
+_LLAMA_OUTER = OuterModules(embeddings=("model.embed_tokens",), final_norm="model.norm", rotary="model.rotary_emb")
 
 
-def _llama_like(name: str, model_types: tuple[str, ...], mlp_norm: str = "post_attention_layernorm",
-                norm: str = "rms") -> ArchAdapter:
+def _llama_like(name: str, model_types: tuple[str, ...], decoder: DecoderTraits = DecoderTraits(),
+                mlp_norm: str = "post_attention_layernorm", norm: str = "rms") -> ArchAdapter:
     return ArchAdapter(
         name=name,
         model_types=model_types,
@@ -68,7 +107,9 @@ def _llama_like(name: str, model_types: tuple[str, ...], mlp_norm: str = "post_a
             ScalingGroup(mlp_norm, _MLP, inspect="mlp"),
             ScalingGroup("mlp.up_proj", ("mlp.down_proj",)),
         ),
+        outer=_LLAMA_OUTER,
         norm=norm,
+        decoder=decoder,
     )
 
 
@@ -76,10 +117,13 @@ _OPT_ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 ADAPTERS: tuple[ArchAdapter, ...] = (
     _llama_like("llama", ("llama",)),  # Llama 2/3, SmolLM2, Kanana
-    _llama_like("mistral", ("mistral",)),
+    _llama_like("mistral", ("mistral",), DecoderTraits(slides_without_layer_types=True)),
     _llama_like("qwen2", ("qwen2",)),
-    _llama_like("qwen3", ("qwen3",)),  # q_norm/k_norm act per head after the projections: not touched
-    _llama_like("gemma3", ("gemma3_text", "gemma3"), mlp_norm="pre_feedforward_layernorm", norm="rms_one_plus"),
+    # q_norm/k_norm act per head after the projections: calibration leaves them alone
+    _llama_like("qwen3", ("qwen3",), DecoderTraits(qk_norm=True)),
+    _llama_like("gemma3", ("gemma3_text", "gemma3"),
+                DecoderTraits(qk_norm=True, sandwich_norms=True, rope_per_layer_type=True),
+                mlp_norm="pre_feedforward_layernorm", norm="rms_one_plus"),
     ArchAdapter(
         name="opt",
         model_types=("opt",),
@@ -92,23 +136,33 @@ ADAPTERS: tuple[ArchAdapter, ...] = (
             ScalingGroup("final_layer_norm", ("fc1",)),
             ScalingGroup("fc1", ("fc2",)),
         ),
+        outer=OuterModules(embeddings=("model.decoder.embed_tokens", "model.decoder.embed_positions"),
+                           final_norm="model.decoder.final_layer_norm"),
         norm="layernorm",
     ),
 )
 
 
-def supported_model_types() -> list[str]:
-    return sorted(t for a in ADAPTERS for t in a.model_types)
+_BY_MODEL_TYPE = {model_type: adapter for adapter in ADAPTERS for model_type in adapter.model_types}
+
+
+def supported_model_types(decoder: bool = False) -> list[str]:
+    """The model_type values with an entry (decoder: only those the static-cache decoder runs)."""
+    return sorted(t for t, adapter in _BY_MODEL_TYPE.items() if not decoder or adapter.decoder is not None)
+
+
+def find_adapter(model_type: str) -> ArchAdapter | None:
+    return _BY_MODEL_TYPE.get(model_type)
 
 
 def get_adapter(model_or_type: nn.Module | str) -> ArchAdapter:
     model_type = model_or_type if isinstance(model_or_type, str) else model_or_type.config.model_type
-    for adapter in ADAPTERS:
-        if model_type in adapter.model_types:
-            return adapter
+    adapter = find_adapter(model_type)
+    if adapter is not None:
+        return adapter
     raise QuantizationError(
         f"unsupported architecture {model_type!r}. Supported model_type values: "
         f"{', '.join(supported_model_types())}. To add one, write an ArchAdapter entry in "
-        "quantkit/models/adapters.py (decoder-layer path, sequential linear groups, fused groups, "
-        "scaling groups) and a random-weight test in tests/test_adapters.py."
+        "quantkit/models/adapters.py (its module docstring says how) and a random-weight test in "
+        "tests/test_adapters.py."
     )

@@ -1,5 +1,6 @@
 """Greedy decoding with a static KV cache, every step a fixed-shape computation that one CUDA graph can capture
-(gpt-fast's recipe): how fast a quantized model runs end to end on quantkit's kernels (benchmarks/bench_e2e.py).
+(gpt-fast's recipe): how fast a quantized model runs end to end on quantkit's kernels (`quantkit eval --speed`,
+benchmarks/bench_e2e.py). It runs the architectures whose entry in quantkit/models/adapters.py has decoder traits.
 
 It runs the Hugging Face model's own modules (embeddings, norms, rotary tables, activation, and its linears:
 nn.Linear or QuantLinear, whose kernels serve on CUDA) in the order of a Llama-family decoder layer, with q/k/v and
@@ -16,49 +17,36 @@ Batch rows share their positions (prompts of equal length, the benchmark's case)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quantkit.kernels import decode_attention_for, decode_attention_rows
+from quantkit.models.adapters import ArchAdapter, DecoderTraits, find_adapter, supported_model_types
 from quantkit.nn.qlinear import QuantLinear
+from quantkit.qtensor import QuantizationError
 
 
-@dataclass(frozen=True)
-class DecoderArch:
-    """How a Llama-family decoder layer differs between architectures (module names as in transformers)."""
-
-    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k before the rotary embedding
-    # Gemma 3: post_attention_layernorm normalizes the attention's output, pre_ / post_feedforward_layernorm the
-    # MLP's input and output (elsewhere post_attention_layernorm is the MLP's input norm)
-    sandwich_norms: bool = False
-    rope_per_layer_type: bool = False  # Gemma 3: rotary_emb(x, positions, layer_type), a base per layer type
-    slides_without_layer_types: bool = False  # Mistral: config.sliding_window (if set) applies to every layer
-
-
-DECODER_ARCHS = {"llama": DecoderArch(), "mistral": DecoderArch(slides_without_layer_types=True),
-                 "qwen2": DecoderArch(), "qwen3": DecoderArch(qk_norm=True),
-                 "gemma3_text": DecoderArch(qk_norm=True, sandwich_norms=True, rope_per_layer_type=True)}
-
-
-def layer_types(config, arch: DecoderArch) -> list[str]:
+def layer_types(config, traits: DecoderTraits) -> list[str]:
     """Each decoder layer's attention, "full_attention" or "sliding_attention", as transformers masks it."""
     types = getattr(config, "layer_types", None)
     if types:
         return list(types)
-    slides = arch.slides_without_layer_types and getattr(config, "sliding_window", None) is not None
+    slides = traits.slides_without_layer_types and getattr(config, "sliding_window", None) is not None
     return ["sliding_attention" if slides else "full_attention"] * config.num_hidden_layers
 
 
-def _check_supported(config, arch: DecoderArch | None) -> None:
-    if arch is None:
-        raise ValueError(f"StaticDecoder runs {sorted(DECODER_ARCHS)}, not {config.model_type!r}")
+def decoder_adapter(config) -> ArchAdapter:
+    """The architecture entry of a model StaticDecoder runs (one with decoder traits); a clear error otherwise."""
+    adapter = find_adapter(config.model_type)
+    if adapter is None or adapter.decoder is None:
+        raise QuantizationError(f"StaticDecoder runs model_type {', '.join(supported_model_types(decoder=True))}, "
+                                f"not {config.model_type!r}")
     if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ValueError("StaticDecoder does not soft-cap attention logits (config.attn_logit_softcapping)")
+        raise QuantizationError("StaticDecoder does not soft-cap attention logits (config.attn_logit_softcapping)")
     if getattr(config, "use_bidirectional_attention", False):
-        raise ValueError("StaticDecoder runs causal attention, not config.use_bidirectional_attention")
+        raise QuantizationError("StaticDecoder runs causal attention, not config.use_bidirectional_attention")
+    return adapter
 
 
 def fuse_linears(linears: list[nn.Module]) -> nn.Module:
@@ -102,20 +90,20 @@ class _Layer:
     """One decoder layer's modules, q/k/v and gate/up fused, its rotary tables [max_len, head_dim] and its sliding
     window (None: the layer attends to every earlier position of the cache)."""
 
-    def __init__(self, layer: nn.Module, arch: DecoderArch, rotary: tuple[torch.Tensor, torch.Tensor],
+    def __init__(self, layer: nn.Module, traits: DecoderTraits, rotary: tuple[torch.Tensor, torch.Tensor],
                  window: int | None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.attention_norm = layer.input_layernorm
         self.attention_out_norm, self.mlp_out_norm = nn.Identity(), nn.Identity()
         self.mlp_norm = layer.post_attention_layernorm
-        if arch.sandwich_norms:
+        if traits.sandwich_norms:
             self.attention_out_norm, self.mlp_norm = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
             self.mlp_out_norm = layer.post_feedforward_layernorm
         self.qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o, self.down = attn.o_proj, mlp.down_proj
         self.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
         self.act = mlp.act_fn
-        self.q_norm, self.k_norm = (attn.q_norm, attn.k_norm) if arch.qk_norm else (None, None)
+        self.q_norm, self.k_norm = (attn.q_norm, attn.k_norm) if traits.qk_norm else (None, None)
         self.scaling = attn.scaling
         self.cos, self.sin = rotary
         self.window = window
@@ -126,23 +114,24 @@ class StaticDecoder:
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int) -> None:
         config = model.config
-        arch = DECODER_ARCHS.get(config.model_type)
-        _check_supported(config, arch)
-        base = model.model
-        self.embed, self.norm, self.lm_head = base.embed_tokens, base.norm, model.lm_head
+        adapter = decoder_adapter(config)
+        traits, outer = adapter.decoder, adapter.outer
+        self.embed = model.get_submodule(outer.embeddings[0])
+        self.norm, self.lm_head = model.get_submodule(outer.final_norm), model.get_submodule(outer.lm_head)
+        rotary_emb = model.get_submodule(outer.rotary)
         self.logit_cap = getattr(config, "final_logit_softcapping", None)
         weight = self.embed.weight
         self.slots = torch.arange(max_len, device=weight.device)
-        kinds = layer_types(config, arch)
+        kinds = layer_types(config, traits)
         rotary = {}  # layer type -> (cos, sin) [max_len, head_dim], the model's dtype: as transformers applies them
         for kind in set(kinds):
-            cos, sin = base.rotary_emb(weight[:1], self.slots[None], *([kind] if arch.rope_per_layer_type else []))
+            cos, sin = rotary_emb(weight[:1], self.slots[None], *([kind] if traits.rope_per_layer_type else []))
             rotary[kind] = cos[0], sin[0]
         window = getattr(config, "sliding_window", None)
         if window is not None and window >= max_len:
             window = None  # it masks nothing: sliding layers attend (and run the kernel) as full ones
-        self.layers = [_Layer(layer, arch, rotary[kind], window if kind == "sliding_attention" else None)
-                       for layer, kind in zip(base.layers, kinds, strict=True)]
+        self.layers = [_Layer(layer, traits, rotary[kind], window if kind == "sliding_attention" else None)
+                       for layer, kind in zip(adapter.get_layers(model), kinds, strict=True)]
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.max_len = max_len
