@@ -68,13 +68,13 @@ def check_gptq_increase_is_bounded(results: dict, group: int, bound: float) -> N
 
 # AWQ's default scheme (asymmetric, here groups of 64), scale search over 5 ratios instead of 20 (a quarter of
 # the scale search's block evaluations): mean NLL 2.276 (one thread, 2026-12-05) vs 2.284 with 10 and 2.289 with
-# 20 (RTN 2.385; accuracy/smollm2_cpu_ci.md).
+# 20 (RTN 2.385; benchmarks/accuracy/RESULTS.md).
 AWQ = QuantConfig(method="awq", group_size=64, sym=False, awq_grid=5)
 
 
 # QQQ: loss on 8 of the 16 calibration sequences (one batch); the search evaluates every threshold (grid), 50 at
 # g64 and 25 per channel (the reference rule's floor is 100). Mean NLL against plain GPTQ W4A8 as CI computes it
-# (one thread; benchmarks/accuracy/smollm2_cpu_ci.md): 2.325 vs 2.386 at g64, 2.548 vs 2.607 per channel (25
+# (one thread; benchmarks/accuracy/RESULTS.md): 2.325 vs 2.386 at g64, 2.548 vs 2.607 per channel (25
 # thresholds, 2026-12-05; 2.546 with 50, for twice the search time). With 25 thresholds g64 lost (2.372 vs 2.340,
 # two threads), and so it did with 100 on 2 sequences of 512 tokens (2.361) and came within 0.016 with 50 on 4
 # sequences (2.370, 2026-12-05). The whole suite with these settings (2026-12-05): 2.342 vs 2.390 (g64), 2.548 vs

@@ -3,7 +3,7 @@ W4A8 with groups of 128, quantized on CPU.
 
 GPTQ W4A8 and QQQ (smoothing + GPTQ) must cost less held-out perplexity than RTN W4A8, by a bounded amount;
 the QQQ export must reload to the same logits and load in transformers; QQQ's smoothing must beat plain GPTQ
-W4A8. QUANTKIT_TEST_REPORT=DIR writes every measured NLL to DIR/gemma3.json (benchmarks/accuracy/gemma3_cpu_ci.md
+W4A8. QUANTKIT_TEST_REPORT=DIR writes every measured NLL to DIR/gemma3.json (benchmarks/accuracy/RESULTS.md
 is such a table).
 """
 
@@ -69,7 +69,7 @@ def test_qqq_smoothing_beats_plain_w4a8(results) -> None:
     QQQ measured 3.184 mean NLL against plain GPTQ W4A8's 3.167 (100 thresholds), with it 3.152 (100 thresholds)
     and 3.158 (25 thresholds; English alone 3.085 vs 3.083). As CI runs it (one thread per xdist worker, where
     GPTQ rounds differently): 3.150 (every one of 25 thresholds) vs 3.161, English alone 3.105 vs 3.077
-    (benchmarks/accuracy/gemma3_cpu_ci.md); this test's refined search on 100: 3.138, English 3.070
+    (benchmarks/accuracy/RESULTS.md); this test's refined search on 100: 3.138, English 3.070
     (2026-12-05)."""
     fp, rtn, gptq, qqq = _w4a8(results)
     assert mean(qqq) < mean(gptq), (fp, gptq, qqq)

@@ -1,6 +1,6 @@
 """The Gluon TMA gemv (kernels/w4a16_tma_gemv.py). Gluon has no CPU interpreter: its results were checked against
 float64 on the H200 (NaN-poisoned outputs, g64 / g128 / g256 / per channel, zero points, bias, split K, 1 and 3 tokens:
-benchmarks/kernels/log_ab_tma_gemv_2026-12-04.txt; bench_kernels.py --check-swap). Here: the sm_90 compile shows the
+benchmarks/kernels/RESULTS.md; bench_kernels.py --check-swap). Here: the sm_90 compile shows the
 pipeline it exists for, and the tuner and shape rules."""
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ def results(smollm2_setup, smollm2_recorder):
 
 def test_gptq_costs_less_perplexity_than_rtn(results) -> None:
     """Without act-order GPTQ g64 won clearly on Korean but was slightly behind RTN on English alone (NLL 3.286 vs
-    3.240, 2026-12-03; see the note in benchmarks/README.md); with act-order it wins on both (3.142 vs 3.240
-    English, 1.505 vs 1.850 Korean, 2026-12-04)."""
+    3.240, 2026-12-03; see the note in benchmarks/accuracy/RESULTS.md); with act-order it wins on both (3.142
+    vs 3.240 English, 1.505 vs 1.850 Korean, 2026-12-04)."""
     check_gptq_beats_rtn(results, GROUP)
 
 
