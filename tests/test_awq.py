@@ -12,11 +12,12 @@ from test_engine import random_calibration
 from torch import nn
 
 from quantkit.config import QuantConfig
-from quantkit.engine import LayerContext, capture_layer_inputs, quantize_model
+from quantkit.engine import capture_layer_inputs, quantize_model
 from quantkit.export import export_checkpoint
 from quantkit.models import get_adapter
 from quantkit.quantizers.awq import CLIP_GRID, CLIP_STEPS, search_clip, search_scales
 from quantkit.quantizers.base import get_method
+from quantkit.quantizers.context import LayerContext
 from quantkit.quantizers.rtn import rtn_quantize
 from quantkit.reload import load_quantized
 from quantkit.smoothing import active_scaling_groups

@@ -17,12 +17,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from quantkit.config import QuantConfig
-from quantkit.engine import LayerContext, capture_layer_inputs, quantize_model
+from quantkit.engine import capture_layer_inputs, quantize_model
 from quantkit.export import export_checkpoint, quantized_modules
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear, quantize_activations_per_token
 from quantkit.qtensor import QuantizationError
 from quantkit.quantizers.base import get_method
+from quantkit.quantizers.context import LayerContext
 from quantkit.quantizers.gptq import gptq_quantize
 from quantkit.quantizers.qqq import (
     Int8Weight,

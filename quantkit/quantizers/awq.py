@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -43,11 +42,9 @@ from quantkit.config import QuantConfig
 from quantkit.models.adapters import ScalingGroup
 from quantkit.qtensor import QuantizationError, check_group_size
 from quantkit.quantizers.base import LinearQuantizer, Method, register
+from quantkit.quantizers.context import LayerContext
 from quantkit.quantizers.rtn import RTNQuantizer, rtn_fake_quantize
 from quantkit.smoothing import active_scaling_groups, fold_scales
-
-if TYPE_CHECKING:
-    from quantkit.engine import LayerContext
 
 log = logging.getLogger("quantkit")
 

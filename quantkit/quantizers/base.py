@@ -7,22 +7,21 @@ A method is two pieces:
   * optionally a smooth_layer step, run once per decoder layer before any linear is quantized:
     AWQ and QQQ search per-channel scales there and fold them into the layer's weights.
 
-The engine (quantkit.engine) drives both; a new method registers itself here and touches nothing else.
+The engine (quantkit.engine) drives both, handing smooth_layer a LayerContext (quantizers.context); methods
+never import the engine. A new method registers itself here and touches nothing else.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from quantkit.config import QuantConfig
 from quantkit.qtensor import QuantizationError, QuantizedWeight
-
-if TYPE_CHECKING:
-    from quantkit.engine import LayerContext
+from quantkit.quantizers.context import LayerContext
 
 
 class LinearQuantizer(ABC):

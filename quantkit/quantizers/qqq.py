@@ -53,7 +53,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -63,11 +62,9 @@ from quantkit.models.adapters import ArchAdapter, ScalingGroup
 from quantkit.nn.qlinear import int8_tokens
 from quantkit.qtensor import QuantizationError, QuantizedWeight, check_group_size, quantize_codes
 from quantkit.quantizers.base import LinearQuantizer, Method, register
+from quantkit.quantizers.context import LayerContext
 from quantkit.quantizers.gptq import GPTQQuantizer, gptq_quantize
 from quantkit.smoothing import active_scaling_groups, fold_scales
-
-if TYPE_CHECKING:
-    from quantkit.engine import LayerContext
 
 log = logging.getLogger("quantkit")
 
