@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from quantkit.config import QuantConfig
+from quantkit.config import MethodOptions, QuantConfig
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.context import LayerContext
 
@@ -44,6 +44,7 @@ class LinearQuantizer(ABC):
 class Method(ABC):
     name: ClassVar[str]
     needs_activations: ClassVar[bool] = True
+    options_class: ClassVar[type[MethodOptions]] = MethodOptions  # what QuantConfig.options holds for it
 
     def __init__(self, config: QuantConfig) -> None:
         self.config = config
@@ -64,9 +65,19 @@ def register(cls: type[Method]) -> type[Method]:
     return cls
 
 
-def get_method(config: QuantConfig) -> Method:
+def registered_methods() -> dict[str, type[Method]]:
+    """Every method by name, the built-in ones included."""
     import quantkit.quantizers  # noqa: F401  (registers the built-in methods)
 
-    if config.method not in METHODS:
-        raise QuantizationError(f"unknown method {config.method!r}; available: {', '.join(sorted(METHODS))}")
-    return METHODS[config.method](config)
+    return METHODS
+
+
+def method_class(name: str) -> type[Method]:
+    methods = registered_methods()
+    if name not in methods:
+        raise QuantizationError(f"unknown method {name!r}; available: {', '.join(sorted(methods))}")
+    return methods[name]
+
+
+def get_method(config: QuantConfig) -> Method:
+    return method_class(config.method)(config)
