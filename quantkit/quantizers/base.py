@@ -6,6 +6,8 @@ A method is two pieces:
     its Hessian from them.
   * optionally a smooth_layer step, run once per decoder layer before any linear is quantized:
     AWQ and QQQ search per-channel scales there and fold them into the layer's weights.
+Its options are a MethodOptions dataclass (Method.options_class, quantkit.config): QuantConfig.options holds
+them and `quantkit quantize` offers each field as a flag.
 
 The engine (quantkit.engine) drives both, handing smooth_layer a LayerContext (quantizers.context); methods
 never import the engine. A new method registers itself here and touches nothing else.

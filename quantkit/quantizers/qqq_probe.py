@@ -13,7 +13,7 @@ from torch import nn
 from quantkit.config import QuantConfig
 from quantkit.models.adapters import ArchAdapter, ScalingGroup
 from quantkit.qtensor import QuantizationError
-from quantkit.quantizers.context import LayerContext
+from quantkit.quantizers.context import LayerContext, StopForward
 from quantkit.quantizers.gptq import gptq_quantize
 from quantkit.quantizers.int8_matmul import Int8Linears
 from quantkit.quantizers.qqq_grids import Int8Weight, make_grid
@@ -103,10 +103,6 @@ class SmoothingProbe:
         return self.loss_with(scales, weights)
 
 
-class _Stop(Exception):
-    """Raised by a hook once the measured tensor is in hand: the rest of the module need not run."""
-
-
 def _int8_forward(int8: Int8Linears, index: int, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     out = int8(index, x)
     return out if bias is None else out + bias.to(out)
@@ -144,13 +140,13 @@ class ModuleBlock:
 
         def grab(_module: nn.Module, inputs: tuple) -> None:
             measured.append(inputs[0])
-            raise _Stop
+            raise StopForward
 
         handle = self.measured.register_forward_pre_hook(grab)
         try:
             with nullcontext() if linears is None else _computed_by(self.linears, linears):
                 self.module(*args, **kwargs)
-        except _Stop:
+        except StopForward:
             pass
         finally:
             handle.remove()
