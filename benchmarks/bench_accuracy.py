@@ -29,9 +29,11 @@ from quantkit.models import get_adapter, load_model
 
 def parse_run(spec: str, smooth_steps: int | None = None, smooth_samples: int | None = None) -> QuantConfig:
     method, group, *flags = spec.split(":")
-    return QuantConfig(method=method, group_size=int(group), sym="asym" not in flags,
-                       act_bits=8 if "a8" in flags else 16, act_order=method == "qqq" or "ao" in flags,
-                       smooth_steps=smooth_steps, smooth_samples=smooth_samples).validate()
+    # a flat dict: the options of other methods (act-order for RTN, smoothing for GPTQ) are ignored
+    return QuantConfig.from_dict(dict(
+        method=method, group_size=int(group), sym="asym" not in flags, act_bits=8 if "a8" in flags else 16,
+        act_order=method == "qqq" or "ao" in flags, smooth_steps=smooth_steps, smooth_samples=smooth_samples,
+    )).validate()
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import quantkit.quantizers.qqq as qqq
+import quantkit.quantizers.qqq_search as qqq_search
 from quantkit.config import QuantConfig
 from quantkit.data import build_calibration_set, load_passages
 from quantkit.engine import quantize_model
@@ -38,7 +39,7 @@ def record_losses(model_path: str | None, group: int, layers: int, steps: int | 
     curves: list[dict] = []
     search, smooth_layer = qqq.search_smoothing, qqq.QQQ.smooth_layer
 
-    def full_grid(probe: qqq.SmoothingProbe, _steps: int | None, _search: str) -> qqq.SmoothingChoice:
+    def full_grid(probe: qqq_search.SmoothingProbe, _steps: int | None, _search: str) -> qqq_search.SmoothingChoice:
         losses: list[float] = []
         loss = probe.loss
         probe.loss = lambda scales: losses.append(loss(scales)) or losses[-1]  # the grid goes in index order
@@ -53,7 +54,8 @@ def record_losses(model_path: str | None, group: int, layers: int, steps: int | 
         return smooth_layer(method, ctx)
 
     qqq.search_smoothing, qqq.QQQ.smooth_layer = full_grid, first_layers
-    config = QuantConfig(method="qqq", group_size=group, act_bits=8, smooth_samples=samples, smooth_steps=steps)
+    config = QuantConfig(method="qqq", group_size=group, act_bits=8,
+                         options=qqq.QQQOptions(smooth_samples=samples, smooth_steps=steps))
     try:
         quantize_model(model, get_adapter(model), calib, config, device="cpu", batch_size=8, show_progress=False)
     except _Recorded:
@@ -71,7 +73,7 @@ def refined(losses: list[float]) -> tuple[float, int]:
         seen[index] = losses[index]
         return losses[index]
 
-    qqq.refine_on_grid(loss, len(losses))
+    qqq_search.refine_on_grid(loss, len(losses))
     return min(seen.values()), len(seen)
 
 

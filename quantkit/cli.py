@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
-from enum import Enum
+import typing
+from dataclasses import Field, fields
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 import torch
 import typer
@@ -19,17 +21,6 @@ from quantkit.qtensor import QuantizationError
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Post-training 4-bit quantization of Hugging Face causal LMs.")
 console = Console(stderr=True)
-
-
-class Format(str, Enum):
-    compressed_tensors = "compressed-tensors"
-    gptq = "gptq"
-    awq = "awq"
-
-
-class SmoothSearch(str, Enum):
-    refine = "refine"
-    grid = "grid"
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -91,28 +82,19 @@ def _heldout_ppl(model, tokenizer, windows: int, seqlen: int) -> dict[str, float
 
 @app.command()
 def quantize(
+    ctx: typer.Context,
     model: Annotated[str | None, typer.Argument(help="HF folder, .gguf file or hub name; default: embedded SmolLM2-135M")] = None,
-    method: Annotated[str, typer.Option(help="rtn, gptq, awq or qqq")] = "gptq",
+    method: Annotated[str, typer.Option(help="quantization method")] = "gptq",  # choices: quantize_signature
     bits: Annotated[int, typer.Option(help="weight bits: 4 or 8")] = 4,
     group_size: Annotated[str, typer.Option(help="-1 (per channel), 32, 64, 128 or auto")] = "auto",
     asym: Annotated[bool, typer.Option("--asym", help="asymmetric (zero-point) weights")] = False,
-    act_order: Annotated[bool, typer.Option("--act-order/--no-act-order",
-                                            help="GPTQ act-order with static groups (no inference cost)")] = True,
     act_bits: Annotated[int, typer.Option(help="16 (W4A16) or 8 (W4A8, per-token int8 activations)")] = 16,
-    format: Annotated[Format, typer.Option("--format", help="checkpoint format")] = Format.compressed_tensors,
+    format: Annotated[str, typer.Option("--format", help="checkpoint format")] = "compressed-tensors",
     calib: Annotated[str | None, typer.Option(help="calibration .txt/.jsonl or wikitext2/c4/pileval")] = None,
     nsamples: Annotated[int | None, typer.Option(help="calibration samples (default 128; 32 on the CPU)")] = None,
     seqlen: Annotated[int, typer.Option(help="tokens per calibration sample")] = 512,
     seed: Annotated[int, typer.Option(help="calibration sampling seed")] = 0,
     chat_template: Annotated[bool, typer.Option(help="wrap calibration text in the chat template")] = False,
-    damp: Annotated[float, typer.Option(help="GPTQ relative dampening")] = 0.01,
-    mse: Annotated[bool, typer.Option("--mse", help="search clipped scales by MSE")] = False,
-    duo_scaling: Annotated[bool, typer.Option("--duo-scaling", help="AWQ: s = mean|x|^r / mean|w|^(1-r)")] = False,
-    clip: Annotated[bool, typer.Option("--clip/--no-clip", help="AWQ: search clipping ranges")] = True,
-    smooth_steps: Annotated[int | None, typer.Option(help="QQQ: thresholds searched (default max(100, max|x|/0.5))")] = None,
-    smooth_search: Annotated[SmoothSearch, typer.Option(help="QQQ: refine (coarse-to-fine) or grid (every threshold, the reference)")] = SmoothSearch.refine,
-    smooth_samples: Annotated[int | None, typer.Option(help="QQQ: calibration samples of the smoothing loss, rounded up to whole batches (default all)")] = None,
-    smooth_check: Annotated[bool, typer.Option("--smooth-check/--no-smooth-check", help="QQQ: keep a group's smoothing only if it also helps after GPTQ")] = True,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="output folder")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing output folder")] = False,
     dtype: Annotated[str, typer.Option(help="checkpoint dtype: auto (fp16; bf16 for Gemma), float16, bfloat16, float32")] = "auto",
@@ -123,19 +105,74 @@ def quantize(
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="allow .bin pickle weights")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    **method_options: Any,  # every registered method's options, as quantize_signature declares them
 ) -> None:
     """Calibrate and quantize MODEL, then write a checkpoint vLLM and transformers load."""
     _setup_logging(verbose)
     try:
-        _quantize(**locals())
+        _quantize(**ctx.params)
     except (QuantizationError, FileNotFoundError, ValueError) as err:
         _fail(err)
 
 
-def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format, calib, nsamples, seqlen,
-              seed, chat_template, damp, mse, duo_scaling, clip, smooth_steps, smooth_search, smooth_samples, smooth_check,
-              output, overwrite, dtype, device, batch_size, evaluate,
-              eval_windows, trust_remote_code, allow_pickle, verbose) -> None:
+_DECLARED = inspect.signature(quantize, eval_str=True)  # before quantize.__signature__ replaces it below
+
+
+def _method_option_parameters() -> list[inspect.Parameter]:
+    """One keyword parameter per option field of the registered methods (a field several methods share, e.g.
+    GPTQ's inside QQQ's, once), its help prefixed with the methods that take it."""
+    from quantkit.config import option_spec
+    from quantkit.quantizers.base import registered_methods
+
+    users: dict[str, list[str]] = {}
+    declared: dict[str, tuple[Field, type]] = {}
+    for name, method_cls in sorted(registered_methods().items()):
+        options_class = method_cls.options_class
+        types = typing.get_type_hints(options_class)
+        for f in fields(options_class):
+            declared.setdefault(f.name, (f, types[f.name]))
+            users.setdefault(f.name, []).append(name)
+    parameters = []
+    for name, (f, annotation) in declared.items():
+        spec = option_spec(f)
+        if spec.choices is not None:
+            annotation = Literal[spec.choices]
+        flag = spec.flag_for(name, annotation is bool)
+        info = typer.Option(flag, help=f"{', '.join(users[name])}: {spec.help}")
+        default = f.default if spec.cli_default is None else spec.cli_default
+        parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                            annotation=Annotated[annotation, info]))
+    return parameters
+
+
+def quantize_signature() -> inspect.Signature:
+    """quantize's signature as Typer reads it: --method and --format offer what the registries hold, and each
+    registered method's options follow the declared parameters (in place of **method_options)."""
+    from quantkit.formats import FORMATS
+    from quantkit.quantizers.base import registered_methods
+
+    choices = {"method": Literal[tuple(sorted(registered_methods()))], "format": Literal[tuple(FORMATS)]}
+    declared = []
+    for parameter in _DECLARED.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            continue
+        if parameter.name in choices:
+            info = typing.get_args(parameter.annotation)[1]
+            parameter = parameter.replace(annotation=Annotated[choices[parameter.name], info])
+        declared.append(parameter)
+    options = _method_option_parameters()
+    clashes = {p.name for p in declared} & {p.name for p in options}
+    if clashes:
+        raise TypeError(f"method options named like quantize's own parameters: {sorted(clashes)}")
+    return inspect.Signature(declared + options)
+
+
+quantize.__signature__ = quantize_signature()  # type: ignore[attr-defined]
+
+
+def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, nsamples, seqlen, seed, chat_template,
+              output, overwrite, dtype, device, batch_size, evaluate, eval_windows, trust_remote_code, allow_pickle,
+              verbose, **method_options) -> None:
     from quantkit.config import QuantConfig
     from quantkit.data import build_calibration_set, load_passages
     from quantkit.engine import quantize_model
@@ -143,6 +180,7 @@ def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format
     from quantkit.formats import get_format
     from quantkit.models import get_adapter, load_model
     from quantkit.models.loading import default_dtype
+    from quantkit.quantizers.base import method_class
 
     work_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if nsamples is None:
@@ -155,19 +193,18 @@ def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format
     lm, tokenizer = load_model(model, dtype=default_dtype(work_device), trust_remote_code=trust_remote_code,
                                allow_pickle=allow_pickle)
     adapter = get_adapter(lm)
+    options = method_class(method).options_class.from_dict(method_options)  # the chosen method's, by field name
     config = QuantConfig(method=method, bits=bits, group_size=resolve_group_size(lm, adapter, group_size),
-                         sym=not asym, act_order=act_order and method in ("gptq", "qqq"), act_bits=act_bits,
-                         damp_percent=damp, mse=mse, awq_duo_scaling=duo_scaling, awq_clip=clip, smooth_steps=smooth_steps,
-                         smooth_search=smooth_search.value, smooth_samples=smooth_samples, smooth_check=smooth_check).validate()
-    get_format(format.value).check(config)
+                         sym=not asym, act_bits=act_bits, options=options).validate()
+    get_format(format).check(config)
     console.print(f"[bold]{lm.config.model_type}[/] {config.method} W{config.bits}A{config.act_bits} "
-                  f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format.value}, "
+                  f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format}, "
                   f"{nsamples} x {seqlen} calibration tokens on {work_device}")
     calib_set = build_calibration_set(tokenizer, load_passages(calib), nsamples, seqlen, seed, chat_template)
     before = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
     report = quantize_model(lm.cpu(), adapter, calib_set, config, device=work_device, batch_size=batch_size)
     after = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
-    out = export_checkpoint(lm.cpu(), tokenizer, output, config, format.value, report=report.to_dict(),
+    out = export_checkpoint(lm.cpu(), tokenizer, output, config, format, report=report.to_dict(),
                             dtype=dtype, overwrite=overwrite)
     if report.fallbacks:
         console.print(f"[yellow]{len(report.fallbacks)} fallback(s):[/] " + "; ".join(report.fallbacks))

@@ -1,13 +1,95 @@
-"""QuantConfig: every option of a quantization run, validated once, recorded in the export."""
+"""QuantConfig: the scheme every method shares plus the chosen method's options, validated once, recorded in
+the export.
+
+A method declares its options as a frozen MethodOptions dataclass whose fields are made with option(): the
+default, the help text and CLI flag (`quantkit quantize` builds its flags from these), the name the field had
+in the flat quant_config of older exports, and the checks a value must pass. Options shared by several methods
+are inherited (QQQ's options are GPTQ's plus its own), never declared twice.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import Field, asdict, dataclass, field, fields
+from typing import Any, TypeVar
 
 from quantkit.qtensor import QuantizationError
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
-SMOOTH_SEARCHES = ("refine", "grid")
+_SPEC = "quantkit.option"
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """How an option is offered and checked: field metadata of a MethodOptions field."""
+
+    help: str
+    flag: str | None = None  # click declaration, e.g. "--damp" or "--clip/--no-clip"; None: --field-name
+    cli_default: Any = None  # the command line's default where it differs from the Python API's (None: same)
+    legacy: str | None = None  # the key of the flat quant_config older exports wrote
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None  # None values are always allowed (they mean "the method decides")
+
+    def flag_for(self, name: str, is_bool: bool) -> str:
+        if self.flag is not None:
+            return self.flag
+        dashed = "--" + name.replace("_", "-")
+        return f"{dashed}/--no-{dashed[2:]}" if is_bool else dashed
+
+
+def option(default: Any, help: str, **spec: Any) -> Any:
+    """A MethodOptions field with its default; `spec` holds OptionSpec's other fields."""
+    return field(default=default, metadata={_SPEC: OptionSpec(help=help, **spec)})
+
+
+def option_spec(f: Field) -> OptionSpec:
+    return f.metadata[_SPEC]
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """The options of a method (none here); subclasses add option() fields and, if need be, check()."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_field(f, getattr(self, f.name))
+        self.check()
+
+    def check(self) -> None:
+        """Checks beyond the declared choices and minimums; raises QuantizationError."""
+
+    @classmethod
+    def accepted_keys(cls) -> set[str]:
+        """Field names and the legacy names of the same fields."""
+        return {key for f in fields(cls) for key in (f.name, option_spec(f).legacy) if key is not None}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> MethodOptions:
+        """The options among `values` (by field or legacy name); other keys are left to the caller."""
+        found = {}
+        for f in fields(cls):
+            for key in (option_spec(f).legacy, f.name):  # the current name wins over the legacy one
+                if key is not None and key in values:
+                    found[f.name] = values[key]
+        return cls(**found)
+
+    def label(self) -> str:
+        """What QuantConfig.label() adds for these options, e.g. ' act-order'."""
+        return ""
+
+
+def _check_field(f: Field, value: Any) -> None:
+    spec = option_spec(f)
+    if value is None:
+        return
+    if spec.choices is not None and value not in spec.choices:
+        raise QuantizationError(f"{f.name} must be one of {spec.choices}, got {value!r}")
+    if spec.minimum is not None and value < spec.minimum:
+        raise QuantizationError(f"{f.name} must be at least {spec.minimum:g}, got {value}")
+
+
+Options = TypeVar("Options", bound=MethodOptions)
 
 
 @dataclass
@@ -17,23 +99,28 @@ class QuantConfig:
     group_size: int = 128  # -1: per output channel
     sym: bool = True
     act_bits: int = 16  # 8: per-token dynamic int8 activations (W4A8)
-    # GPTQ
-    act_order: bool = False  # static groups: no g_idx permutation at inference
-    damp_percent: float = 0.01
-    block_size: int = 128
-    mse: bool = False  # grid search of a shrunk range per group instead of plain min-max
-    # AWQ / QQQ smoothing (used by the methods that smooth)
-    awq_duo_scaling: bool = False
-    awq_grid: int = 20
-    awq_clip: bool = True
-    smooth_steps: int | None = None  # QQQ thresholds; None: the reference's max(100, max|x| / 0.5)
-    smooth_search: str = "refine"  # QQQ: "grid" evaluates every threshold (the reference), "refine" coarse-to-fine
-    # QQQ: calibration sequences its smoothing loss runs on, rounded up to whole calibration batches (None: all)
-    smooth_samples: int | None = None
-    # QQQ: keep a layer group's smoothing only if it lowers the block loss after GPTQ too (not only after rounding)
-    smooth_check: bool = True
     # modules never quantized (matched as name suffixes); lm_head and embeddings never are
     ignore: list[str] = field(default_factory=list)
+    # the method's options (its Method.options_class); None: its defaults
+    options: MethodOptions = None  # type: ignore[assignment]  # set in __post_init__
+
+    def __post_init__(self) -> None:
+        expected = _options_class(self.method)
+        if self.options is None:
+            self.options = expected()
+        elif not isinstance(self.options, expected):
+            raise QuantizationError(f"method {self.method!r} takes {expected.__name__}, "
+                                    f"got {type(self.options).__name__}")
+
+    def options_as(self, expected: type[Options]) -> Options:
+        """The options, typed as the class the calling method's code reads (its own or one it extends)."""
+        if not isinstance(self.options, expected):
+            raise QuantizationError(f"method {self.method!r} has no {expected.__name__}")
+        return self.options
+
+    def with_options(self, **changes: Any) -> None:
+        """Replaces some options (checked again): a method that forces some of its options."""
+        self.options = dataclasses.replace(self.options, **changes)
 
     def validate(self) -> QuantConfig:
         if self.bits not in (4, 8):
@@ -48,21 +135,40 @@ class QuantConfig:
             raise QuantizationError("W4A8 needs 4-bit weights (--bits 4)")
         if self.act_bits == 8 and not self.sym:
             raise QuantizationError("W4A8 needs symmetric weights (drop --asym)")
-        if not 0 < self.damp_percent < 1:
-            raise QuantizationError(f"damp_percent must be in (0, 1), got {self.damp_percent}")
-        if self.smooth_steps is not None and self.smooth_steps < 1:
-            raise QuantizationError(f"smooth_steps must be at least 1, got {self.smooth_steps}")
-        if self.smooth_search not in SMOOTH_SEARCHES:
-            raise QuantizationError(f"smooth_search must be one of {SMOOTH_SEARCHES}, got {self.smooth_search!r}")
-        if self.smooth_samples is not None and self.smooth_samples < 1:
-            raise QuantizationError(f"smooth_samples must be at least 1, got {self.smooth_samples}")
         return self
 
     def label(self) -> str:
         """Short human-readable name of the scheme, e.g. 'gptq W4A16 g64 sym act-order'."""
         group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
-        order = " act-order" if self.act_order and self.method == "gptq" else ""
-        return f"{self.method} W{self.bits}A{self.act_bits} {group} {'sym' if self.sym else 'asym'}{order}"
+        scheme = f"{self.method} W{self.bits}A{self.act_bits} {group} {'sym' if self.sym else 'asym'}"
+        return scheme + self.options.label()
 
     def to_dict(self) -> dict:
+        """The scheme's fields and "options": the method's options by field name."""
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> QuantConfig:
+        """Reads to_dict()'s shape, and the flat quant_config of older exports (every method's options side by
+        side, AWQ's as awq_*): options of other methods are ignored, keys no method knows are an error."""
+        scheme_keys = {f.name for f in fields(cls)} - {"options"}
+        method = values.get("method", cls.method)
+        options = values.get("options", values)
+        unknown = set(values) - scheme_keys - {"options"} if "options" in values else set()
+        unknown |= set(options) - scheme_keys - _all_option_keys()
+        if unknown:
+            raise QuantizationError(f"unknown quant_config keys: {', '.join(sorted(unknown))}")
+        scheme = {k: v for k, v in values.items() if k in scheme_keys}
+        return cls(**scheme, options=_options_class(method).from_dict(options))
+
+
+def _options_class(method: str) -> type[MethodOptions]:
+    from quantkit.quantizers.base import method_class  # the registry imports this module
+
+    return method_class(method).options_class
+
+
+def _all_option_keys() -> set[str]:
+    from quantkit.quantizers.base import registered_methods
+
+    return {key for cls in registered_methods().values() for key in cls.options_class.accepted_keys()}

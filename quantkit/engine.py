@@ -29,12 +29,9 @@ from quantkit.models.adapters import ArchAdapter
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.base import Method, get_method
+from quantkit.quantizers.context import LayerContext, StopForward
 
 log = logging.getLogger("quantkit")
-
-
-class _StopForward(Exception):
-    pass
 
 
 class _LayerRecorder(nn.Module):
@@ -50,82 +47,8 @@ class _LayerRecorder(nn.Module):
         kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
         self.sink.append(kwargs)
         if self.stop:
-            raise _StopForward
+            raise StopForward
         return hidden_states
-
-
-@dataclass
-class LayerContext:
-    """One decoder layer and its calibration batches, handed to quantizers' smoothing step."""
-
-    index: int
-    layer: nn.Module
-    adapter: ArchAdapter
-    inputs: list[torch.Tensor]  # hidden states per batch [B, T, H]
-    kwargs: list[dict]  # this layer's call kwargs per batch
-    token_masks: list[torch.Tensor]  # bool [B, T] per batch, False on padding
-    device: torch.device
-    current_mask: torch.Tensor | None = None  # the batch being run, for hooks that drop padding
-
-    def module(self, name: str) -> nn.Module:
-        return self.layer.get_submodule(name)
-
-    @torch.no_grad()
-    def forward(self) -> list[torch.Tensor]:
-        outputs = []
-        for x, kwargs, mask in zip(self.inputs, self.kwargs, self.token_masks, strict=True):
-            self.current_mask = mask
-            out = self.layer(x, **kwargs)
-            outputs.append(out[0] if isinstance(out, tuple) else out)
-        self.current_mask = None
-        return outputs
-
-    @torch.no_grad()
-    def run_until(self, names: list[str]) -> None:
-        """Run every batch only until each named module has run: statistics for the first linears
-        of a layer need none of the layer's later (attention, MLP) work."""
-        pending: set[str] = set()
-
-        def done(_m, _args, _out, name: str) -> None:
-            pending.discard(name)
-            if not pending:
-                raise _StopForward
-
-        handles = [self.module(n).register_forward_hook(lambda m, a, o, n=n: done(m, a, o, n)) for n in names]
-        try:
-            for x, kwargs, mask in zip(self.inputs, self.kwargs, self.token_masks, strict=True):
-                self.current_mask = mask
-                pending.update(names)
-                try:
-                    self.layer(x, **kwargs)
-                except _StopForward:
-                    pass
-        finally:
-            self.current_mask = None
-            for h in handles:
-                h.remove()
-
-    def real_tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows of x ([B, T, ...] or [B*T, ...]) for non-padding tokens of the running batch, flattened."""
-        assert self.current_mask is not None, "real_tokens() is only valid inside forward()"
-        flat = x.reshape(-1, x.shape[-1])
-        return flat[self.current_mask.reshape(-1)]
-
-    @contextmanager
-    def capture_inputs(self, names: list[str]) -> Iterator[dict[str, list[torch.Tensor]]]:
-        """While active, each forward() appends the non-padding inputs of the named modules."""
-        captured: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-        handles = [
-            self.module(n).register_forward_hook(
-                lambda _m, args, _out, n=n: captured[n].append(self.real_tokens(args[0]))
-            )
-            for n in names
-        ]
-        try:
-            yield captured
-        finally:
-            for h in handles:
-                h.remove()
 
 
 @dataclass
@@ -178,7 +101,7 @@ def capture_layer_inputs(
             masks.append(mask.to(device).bool())
             try:
                 base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-            except _StopForward:
+            except StopForward:
                 pass
     finally:
         hook.remove()

@@ -26,12 +26,16 @@ from transformers import AutoModelForCausalLM
 
 from quantkit.config import QuantConfig
 from quantkit.export import export_checkpoint
+from quantkit.quantizers.awq import AWQOptions
+from quantkit.quantizers.gptq import GPTQOptions
+from quantkit.quantizers.qqq import QQQOptions
 from quantkit.reload import load_quantized
 
 
 def w4(method: str, group: int, act_bits: int = 16) -> QuantConfig:
     """RTN, or GPTQ with act-order (static groups, the CLI's default): W4A8 and W4A16 share these weights."""
-    return QuantConfig(method=method, group_size=group, act_bits=act_bits, act_order=method == "gptq")
+    options = GPTQOptions(act_order=True) if method == "gptq" else None
+    return QuantConfig(method=method, group_size=group, act_bits=act_bits, options=options)
 
 
 def w4a16_and_w4a8(model, calib, recorder: NLLRecorder, group: int) -> dict:
@@ -43,7 +47,8 @@ def w4a16_and_w4a8(model, calib, recorder: NLLRecorder, group: int) -> dict:
     for method in ("rtn", "gptq"):
         out[("w4a8", method, group)] = recorder.reused(out[(method, group)][1], w4(method, group, 8))
     out[("w4a8", "qqq", group)] = recorder.quantized(model, calib, QuantConfig(
-        method="qqq", group_size=group, act_bits=8, smooth_steps=QQQ_THRESHOLDS[group], **QQQ_OPTIONS))
+        method="qqq", group_size=group, act_bits=8,
+        options=QQQOptions(smooth_steps=QQQ_THRESHOLDS[group], **QQQ_OPTIONS)))
     return out
 
 
@@ -69,7 +74,7 @@ def check_gptq_increase_is_bounded(results: dict, group: int, bound: float) -> N
 # AWQ's default scheme (asymmetric, here groups of 64), scale search over 5 ratios instead of 20 (a quarter of
 # the scale search's block evaluations): mean NLL 2.276 (one thread, 2026-12-05) vs 2.284 with 10 and 2.289 with
 # 20 (RTN 2.385; benchmarks/accuracy/RESULTS.md).
-AWQ = QuantConfig(method="awq", group_size=64, sym=False, awq_grid=5)
+AWQ = QuantConfig(method="awq", group_size=64, sym=False, options=AWQOptions(grid=5))
 
 
 # QQQ: loss on 8 of the 16 calibration sequences (one batch); the search evaluates every threshold (grid), 50 at

@@ -12,11 +12,12 @@ from test_engine import random_calibration
 from torch import nn
 
 from quantkit.config import QuantConfig
-from quantkit.engine import LayerContext, capture_layer_inputs, quantize_model
+from quantkit.engine import capture_layer_inputs, quantize_model
 from quantkit.export import export_checkpoint
 from quantkit.models import get_adapter
-from quantkit.quantizers.awq import CLIP_GRID, CLIP_STEPS, search_clip, search_scales
+from quantkit.quantizers.awq import CLIP_GRID, CLIP_STEPS, AWQOptions, search_clip, search_scales
 from quantkit.quantizers.base import get_method
+from quantkit.quantizers.context import LayerContext
 from quantkit.quantizers.rtn import rtn_quantize
 from quantkit.reload import load_quantized
 from quantkit.smoothing import active_scaling_groups
@@ -68,7 +69,7 @@ def test_folding_searched_scales_keeps_logits(kind: str) -> None:
     model = outlier_model(kind, torch.float64)
     reference = copy.deepcopy(model)
     calib = random_calibration(pad_from={1: 9})
-    reports = smooth_only(model, calib, QuantConfig(method="awq", group_size=32, sym=False, awq_clip=False))
+    reports = smooth_only(model, calib, QuantConfig(method="awq", group_size=32, sym=False, options=AWQOptions(clip=False)))
     ratios = [g["ratio"] for r in reports for g in r["scales"].values()]
     adapter = get_adapter(model)
     assert len(ratios) == 2 * len(active_scaling_groups(adapter.get_layers(model)[0], adapter))
@@ -103,9 +104,9 @@ def brute_force_losses(layer: nn.Module, ctx: LayerContext, group, config: Quant
     w_mean = torch.cat([w.abs().reshape(w.shape[0], -1, config.group_size) for w in weights])
     w_mean = (w_mean / (w_mean.amax(-1, keepdim=True) + 1e-6)).reshape(-1, weights[0].shape[1]).mean(0)
     candidates, losses = [], []
-    for k in range(config.awq_grid):
-        r = k / config.awq_grid
-        s = x_mean**r / (w_mean ** (1 - r) + 1e-4) if config.awq_duo_scaling else x_mean**r
+    for k in range(config.options.grid):
+        r = k / config.options.grid
+        s = x_mean**r / (w_mean ** (1 - r) + 1e-4) if config.options.duo_scaling else x_mean**r
         s = s.clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
         for name, w in zip(group.linears, weights, strict=True):
@@ -122,14 +123,14 @@ def brute_force_losses(layer: nn.Module, ctx: LayerContext, group, config: Quant
 @pytest.mark.parametrize("duo", [False, True])
 def test_chosen_scale_minimises_the_loss_over_the_grid(kind: str, duo: bool) -> None:
     model = outlier_model(kind, torch.float64)
-    config = QuantConfig(method="awq", group_size=32, sym=duo, awq_duo_scaling=duo)
+    config = QuantConfig(method="awq", group_size=32, sym=duo, options=AWQOptions(duo_scaling=duo))
     ctx = layer_context(model, random_calibration(pad_from={0: 7}), index=1)
     for group in active_scaling_groups(ctx.layer, ctx.adapter):
         result = search_scales(ctx, group, config)
         candidates, losses = brute_force_losses(copy.deepcopy(ctx.layer), ctx, group, config)
         assert result.losses == pytest.approx(losses, rel=1e-9), group.prev
         best = min(range(len(losses)), key=losses.__getitem__)
-        assert result.ratio == best / config.awq_grid
+        assert result.ratio == best / config.options.grid
         torch.testing.assert_close(result.scales, candidates[best], rtol=1e-12, atol=0)
 
 
@@ -231,6 +232,6 @@ def test_duo_scaling_reports_plain_rtn_loss() -> None:
     group = active_scaling_groups(ctx.layer, ctx.adapter)[0]
     config = QuantConfig(method="awq", group_size=32)
     plain = search_scales(ctx, group, config)
-    duo = search_scales(ctx, group, replace(config, awq_duo_scaling=True))
+    duo = search_scales(ctx, group, replace(config, options=AWQOptions(duo_scaling=True)))
     assert duo.rtn_loss == plain.rtn_loss == plain.losses[0]  # ratio 0 of the plain grid is s = 1
     assert duo.losses != plain.losses

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from typer.testing import CliRunner
 
+import quantkit.cli as cli
 from quantkit.cli import app, default_nsamples
+from quantkit.config import MethodOptions, option, option_spec
+from quantkit.formats import FORMATS
+from quantkit.quantizers.base import METHODS, Method, registered_methods
 
 runner = CliRunner()
 
@@ -63,7 +68,7 @@ def test_quantize_writes_a_gptq_checkpoint(tiny_llama, tmp_path) -> None:
     assert config["quantization_config"]["group_size"] == 32
     assert (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
     meta = json.loads((out / "quantkit.json").read_text())
-    assert meta["quant_config"]["act_order"] is True and len(meta["report"]["layers"]) == 2
+    assert meta["quant_config"]["options"]["act_order"] is True and len(meta["report"]["layers"]) == 2
 
 
 def test_act_order_is_the_default_and_can_be_turned_off(tiny_llama, tmp_path) -> None:
@@ -71,7 +76,7 @@ def test_act_order_is_the_default_and_can_be_turned_off(tiny_llama, tmp_path) ->
         out = tmp_path / f"q{expected}"
         result = _quantize(str(tiny_llama), "--group-size", "32", *flag, "--output", str(out))
         assert result.exit_code == 0, result.output
-        assert json.loads((out / "quantkit.json").read_text())["quant_config"]["act_order"] is expected
+        assert json.loads((out / "quantkit.json").read_text())["quant_config"]["options"]["act_order"] is expected
 
 
 def test_qqq_checks_its_smoothing_unless_told_not_to(tiny_llama, tmp_path) -> None:
@@ -82,7 +87,8 @@ def test_qqq_checks_its_smoothing_unless_told_not_to(tiny_llama, tmp_path) -> No
                            "--smooth-steps", "4", *flags, "--output", str(out))
         assert result.exit_code == 0, result.output
         meta = json.loads((out / "quantkit.json").read_text())
-        assert meta["quant_config"]["smooth_check"] is expected and meta["quant_config"]["smooth_search"] == search
+        options = meta["quant_config"]["options"]
+        assert options["smooth_check"] is expected and options["smooth_search"] == search
         smoothing = [group for layer in meta["report"]["layers"] for group in layer["smoothing"].values()]
         assert all(group["thresholds_evaluated"] == 5 for group in smoothing)  # 4 steps: 5 thresholds, either way
         checked = [group["gptq_losses"] is not None for group in smoothing if group["scaled_channels"]
@@ -93,7 +99,7 @@ def test_qqq_checks_its_smoothing_unless_told_not_to(tiny_llama, tmp_path) -> No
 def test_rtn_records_no_act_order(tiny_llama, tmp_path) -> None:
     out = tmp_path / "q"
     assert _quantize(str(tiny_llama), "--method", "rtn", "--output", str(out)).exit_code == 0
-    assert json.loads((out / "quantkit.json").read_text())["quant_config"]["act_order"] is False
+    assert "act_order" not in json.loads((out / "quantkit.json").read_text())["quant_config"]["options"]
 
 
 def test_default_calibration_samples_follow_the_device() -> None:
@@ -176,3 +182,59 @@ def test_eval_compares_a_model_and_its_export(tiny_llama, tmp_path) -> None:
     assert set(models[1]["speculative"]["greedy_tokens_per_pass"]) == {"1", "3"}  # the export drafts for the model
     ppl = [next(iter(m["perplexity"].values()))["ppl"] for m in models]
     assert all(p > 1 for p in ppl) and ppl[0] != ppl[1]
+
+
+def _help() -> str:
+    result = runner.invoke(app, ["quantize", "--help"], env={"COLUMNS": "240"})
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.split())
+
+
+def _flags(options_class) -> list[str]:
+    return [option_spec(f).flag_for(f.name, isinstance(f.default, bool)).split("/")[0]
+            for f in fields(options_class)]
+
+
+def test_quantize_offers_every_registered_method_format_and_option() -> None:
+    text = _help()
+    assert f"<{'|'.join(sorted(registered_methods()))}>" in text
+    assert f"<{'|'.join(FORMATS)}>" in text
+    for method in registered_methods().values():
+        for flag in _flags(method.options_class):
+            assert flag in text, (method.name, flag)
+    # the flags of the command line before options were declared per method
+    for flag in ("--damp", "--act-order", "--no-act-order", "--mse", "--duo-scaling", "--clip", "--no-clip",
+                 "--smooth-steps", "--smooth-search", "--smooth-samples", "--smooth-check", "--no-smooth-check"):
+        assert f" {flag} " in text, flag
+    assert "gptq, qqq: act-order with static groups" in text  # which methods take act-order: their options
+
+
+@dataclass(frozen=True)
+class _WiggleOptions(MethodOptions):
+    wiggle: int = option(3, "wiggles of the dummy method", minimum=0)
+
+
+def test_a_registered_method_gets_its_flags(monkeypatch, tiny_llama, tmp_path) -> None:
+    class Wiggle(Method):
+        name = "test-wiggle"
+        options_class = _WiggleOptions
+
+        def linear_quantizer(self, linear):
+            raise NotImplementedError
+
+    monkeypatch.setitem(METHODS, Wiggle.name, Wiggle)
+    monkeypatch.setattr(cli.quantize, "__signature__", cli.quantize_signature())
+    text = _help()
+    assert "test-wiggle" in text and "--wiggle" in text and "test-wiggle: wiggles of the dummy method" in text
+    result = _quantize(str(tiny_llama), "--method", "test-wiggle", "--wiggle", "-1", "--output", str(tmp_path / "q"))
+    assert result.exit_code == 2 and "error: wiggle must be at least 0, got -1" in result.output
+
+
+def test_invalid_method_options_fail_in_one_line(tiny_llama, tmp_path) -> None:
+    result = _quantize(str(tiny_llama), "--damp", "2", "--output", str(tmp_path / "q"))
+    assert result.exit_code == 2 and "error: damp_percent must be in (0, 1), got 2.0" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "q").exists()
+    result = _quantize(str(tiny_llama), "--method", "qqq", "--smooth-search", "golden")
+    assert result.exit_code == 2 and "golden" in result.output
+    result = _quantize(str(tiny_llama), "--method", "golden")
+    assert result.exit_code == 2 and "golden" in result.output

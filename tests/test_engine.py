@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 from test_adapters import tiny_model
 from torch import nn
 
+import quantkit.quantizers
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.engine import quantize_model
@@ -133,3 +136,17 @@ def test_group_size_must_divide_inputs() -> None:
     with pytest.raises(QuantizationError, match="does not divide"):
         quantize_model(model, get_adapter(model), random_calibration(), QuantConfig(method="rtn", group_size=128),
                        device="cpu", show_progress=False)
+
+
+def test_no_quantizer_module_imports_the_engine() -> None:
+    """Methods see LayerContext (quantizers.context); the engine drives them and is never imported by them."""
+    package = Path(quantkit.quantizers.__file__).parent
+    for source in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            assert not any(n == "quantkit.engine" or n.startswith("quantkit.engine.") for n in names), source

@@ -18,6 +18,8 @@ from quantkit.config import QuantConfig
 from quantkit.data import build_calibration_set, default_heldout_texts, load_passages, load_text
 from quantkit.export import export_checkpoint
 from quantkit.models import load_model
+from quantkit.quantizers.gptq import GPTQOptions
+from quantkit.quantizers.qqq import QQQOptions
 from quantkit.reload import load_quantized
 
 pytestmark = pytest.mark.slow(seconds=792)  # this file's time in the suite, 2026-12-05: conftest.py orders by it
@@ -26,12 +28,13 @@ GROUP = 128
 # Gemma's activations grids of up to ~670), smoothing loss on 8 of the 16 calibration sequences. Measured as CI
 # runs it (one thread): mean NLL 3.138 (refined, 100), 3.147 (refined, reference rule), 3.150 (every one of 25).
 RUNS = {
-    "gptq-w4a16": QuantConfig(method="gptq", group_size=GROUP, act_order=True),
+    "gptq-w4a16": QuantConfig(method="gptq", group_size=GROUP, options=GPTQOptions(act_order=True)),
     "rtn-w4a8": QuantConfig(method="rtn", group_size=GROUP, act_bits=8),
-    "qqq-w4a8": QuantConfig(method="qqq", group_size=GROUP, act_bits=8, smooth_steps=100, smooth_samples=8),
+    "qqq-w4a8": QuantConfig(method="qqq", group_size=GROUP, act_bits=8,
+                            options=QQQOptions(smooth_steps=100, smooth_samples=8)),
 }
 # GPTQ's weights do not depend on act_bits: W4A8 evaluates gptq-w4a16's (realmodel.with_act_bits)
-GPTQ_W4A8 = QuantConfig(method="gptq", group_size=GROUP, act_bits=8, act_order=True)
+GPTQ_W4A8 = QuantConfig(method="gptq", group_size=GROUP, act_bits=8, options=GPTQOptions(act_order=True))
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,7 @@ def test_gptq_and_qqq_w4a8_beat_rtn_w4a8(results) -> None:
 
 
 def test_qqq_smoothing_beats_plain_w4a8(results) -> None:
-    """Only with the GPTQ check of each group's smoothing (QuantConfig.smooth_check, the default): without it
+    """Only with the GPTQ check of each group's smoothing (QQQOptions.smooth_check, the default): without it
     QQQ measured 3.184 mean NLL against plain GPTQ W4A8's 3.167 (100 thresholds), with it 3.152 (100 thresholds)
     and 3.158 (25 thresholds; English alone 3.085 vs 3.083). As CI runs it (one thread per xdist worker, where
     GPTQ rounds differently): 3.150 (every one of 25 thresholds) vs 3.161, English alone 3.105 vs 3.077

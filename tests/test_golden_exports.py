@@ -33,7 +33,7 @@ CASES = [(method, fmt, sym, act_bits)
 def _supported(method: str, fmt: str, sym: bool, act_bits: int) -> QuantConfig | None:
     if method == "qqq" and act_bits != 8:
         return None
-    config = QuantConfig(method=method, group_size=32, sym=sym, act_bits=act_bits, smooth_steps=8)
+    config = QuantConfig.from_dict(dict(method=method, group_size=32, sym=sym, act_bits=act_bits, smooth_steps=8))
     try:
         get_format(fmt).check(config.validate())
     except QuantizationError:

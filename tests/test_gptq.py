@@ -13,7 +13,7 @@ from quantkit.config import QuantConfig
 from quantkit.qtensor import QuantizationError, quantize_codes
 from quantkit.quantizers import gptq
 from quantkit.quantizers.base import get_method
-from quantkit.quantizers.gptq import GPTQQuantizer, gptq_quantize
+from quantkit.quantizers.gptq import GPTQOptions, GPTQQuantizer, gptq_quantize
 from quantkit.quantizers.rtn import find_qparams, rtn_quantize
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -58,25 +58,25 @@ def reference_gptq(weight: torch.Tensor, H: torch.Tensor, config: QuantConfig):
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
-    static = config.act_order or group == cols
+    static = config.options.act_order or group == cols
     scales = torch.zeros(rows, cols // group, dtype=torch.float64)
     zeros = torch.zeros(rows, cols // group, dtype=torch.float64)
     if static:
         for g in range(cols // group):
             chunk = W[:, g * group : (g + 1) * group]
-            scales[:, g], zeros[:, g] = find_qparams(chunk, config.bits, config.sym, config.mse)
+            scales[:, g], zeros[:, g] = find_qparams(chunk, config.bits, config.sym, config.options.mse)
     order = (
-        torch.argsort(torch.diag(H), descending=True, stable=True) if config.act_order else torch.arange(cols)
+        torch.argsort(torch.diag(H), descending=True, stable=True) if config.options.act_order else torch.arange(cols)
     )
     W, H = W[:, order], H[order][:, order]
-    H += config.damp_percent * torch.diag(H).mean() * torch.eye(cols, dtype=torch.float64)
+    H += config.options.damp_percent * torch.diag(H).mean() * torch.eye(cols, dtype=torch.float64)
     Hinv = torch.linalg.inv(H)
     codes = torch.zeros(rows, cols, dtype=torch.float64)
     loss = 0.0
     for j in range(cols):
         g = int(order[j]) // group
         if not static and j % group == 0:
-            scales[:, g], zeros[:, g] = find_qparams(W[:, j : j + group], config.bits, config.sym, config.mse)
+            scales[:, g], zeros[:, g] = find_qparams(W[:, j : j + group], config.bits, config.sym, config.options.mse)
         codes[:, j] = quantize_codes(W[:, j], scales[:, g], zeros[:, g], config.bits)
         err = W[:, j] - (codes[:, j] - zeros[:, g]) * scales[:, g]
         loss += float((err**2).sum() / Hinv[j, j] / 2)
@@ -113,9 +113,9 @@ CONFIGS = [
 @pytest.mark.parametrize("options", CONFIGS)
 def test_gptq_beats_rtn_on_layer_output_error(options):
     linear, x = make_layer(256, 64, seed=1), make_inputs(256, 384, seed=2)
-    config = QuantConfig(method="gptq", **options)
+    config = QuantConfig.from_dict({"method": "gptq", **options})
     gptq = quantize_gptq(linear, x, config).dequantize()
-    rtn = rtn_quantize(linear.weight, config.bits, config.group_size, config.sym, config.mse).dequantize()
+    rtn = rtn_quantize(linear.weight, config.bits, config.group_size, config.sym, config.options.mse).dequantize()
     assert output_error(x, linear.weight, gptq) < 0.8 * output_error(x, linear.weight, rtn)
 
 
@@ -133,7 +133,7 @@ def test_gptq_equals_float64_reference(options, block_size, device):
     """Run in float64 the implementation must reproduce the reference exactly: same codes, same scales."""
     # Dead channels 5 and 70 exercise the dead-input fix in both implementations.
     linear, x = make_layer(256, 48, seed=3), make_inputs(256, 300, seed=4, dead=(5, 70))
-    config = QuantConfig(method="gptq", block_size=block_size, **options)
+    config = QuantConfig.from_dict({"method": "gptq", "block_size": block_size, **options})
     result = gptq_quantize(linear.weight.double().to(device), hessian(x).to(device), config)
     codes, scales, zeros, loss = reference_gptq(linear.weight, hessian(x), config)
     assert result.codes.device.type == device
@@ -151,7 +151,7 @@ def test_gptq_fp32_close_to_float64_reference(options, device):
     spread over the rest of that row, so a few codes later in the same row may differ too (seen: at most
     one diverging row of 48, more likely at 8 bits where the boundaries are 16x denser)."""
     linear, x = make_layer(256, 48, seed=3), make_inputs(256, 300, seed=4, dead=(5, 70))
-    config = QuantConfig(method="gptq", **options)
+    config = QuantConfig.from_dict({"method": "gptq", **options})
     codes, scales, zeros, loss = reference_gptq(linear.weight, hessian(x), config)
     result = quantize_gptq(linear.to(device), x.to(device), config)
     result = replace(result, codes=result.codes.cpu(), scales=result.scales.cpu(), zeros=result.zeros.cpu())
@@ -166,13 +166,13 @@ def test_gptq_fp32_close_to_float64_reference(options, device):
 
 def test_loss_is_the_damped_layer_output_error():
     linear, x = make_layer(128, 32, seed=5), make_inputs(128, 256, seed=6)
-    config = QuantConfig(method="gptq", group_size=32, act_order=True)
+    config = QuantConfig(method="gptq", group_size=32, options=GPTQOptions(act_order=True))
     result = quantize_gptq(linear, x, config)
     H = hessian(x)
-    H += config.damp_percent * torch.diag(H).mean() * torch.eye(128, dtype=torch.float64)
+    H += config.options.damp_percent * torch.diag(H).mean() * torch.eye(128, dtype=torch.float64)
     delta = linear.weight.detach().double() - result.dequantize().double()
     assert result.info["loss"] == pytest.approx(float(torch.trace(delta @ H @ delta.T) / 2), rel=1e-3)
-    assert result.info["damp_percent"] == config.damp_percent
+    assert result.info["damp_percent"] == config.options.damp_percent
     assert result.info["nsamples"] == 256
     assert "fallback" not in result.info
 
@@ -191,7 +191,7 @@ def test_dead_inputs_get_zero_weights():
     dead = (0, 17, 40)
     linear, x = make_layer(64, 16, seed=8), make_inputs(64, 128, seed=9, dead=dead)
     for sym in (True, False):
-        result = quantize_gptq(linear, x, QuantConfig(method="gptq", group_size=32, sym=sym, act_order=True))
+        result = quantize_gptq(linear, x, QuantConfig(method="gptq", group_size=32, sym=sym, options=GPTQOptions(act_order=True)))
         assert torch.all(result.dequantize()[:, list(dead)] == 0)
         assert torch.isfinite(torch.tensor(result.info["loss"]))
 
@@ -199,7 +199,7 @@ def test_dead_inputs_get_zero_weights():
 def test_source_weight_untouched_and_types():
     linear, x = make_layer(128, 32, seed=10), make_inputs(128, 64, seed=11)
     before = linear.weight.detach().clone()
-    result = quantize_gptq(linear, x, QuantConfig(method="gptq", group_size=64, act_order=True))
+    result = quantize_gptq(linear, x, QuantConfig(method="gptq", group_size=64, options=GPTQOptions(act_order=True)))
     assert torch.equal(linear.weight, before)
     assert result.codes.dtype == torch.uint8 and result.codes.shape == (32, 128)
     assert result.scales.dtype == torch.float32 and result.scales.shape == (32, 2)
@@ -215,7 +215,7 @@ def hessian_with_eigenvalues(eigenvalues: torch.Tensor, seed: int) -> torch.Tens
 
 def test_cholesky_failure_raises_damping(caplog):
     linear = make_layer(64, 16, seed=12)
-    quantizer = GPTQQuantizer(linear, QuantConfig(method="gptq", group_size=32, damp_percent=0.01))
+    quantizer = GPTQQuantizer(linear, QuantConfig(method="gptq", group_size=32, options=GPTQOptions(damp_percent=0.01)))
     eigenvalues = torch.ones(64)
     eigenvalues[-1] = -0.05  # 1% damping leaves it indefinite, 10% does not
     quantizer.H, quantizer.nsamples = hessian_with_eigenvalues(eigenvalues, seed=0), 100

@@ -17,25 +17,22 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from quantkit.config import QuantConfig
-from quantkit.engine import LayerContext, capture_layer_inputs, quantize_model
+from quantkit.engine import capture_layer_inputs, quantize_model
 from quantkit.export import export_checkpoint, quantized_modules
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear, quantize_activations_per_token
 from quantkit.qtensor import QuantizationError
 from quantkit.quantizers.base import get_method
-from quantkit.quantizers.gptq import gptq_quantize
-from quantkit.quantizers.qqq import (
-    Int8Weight,
-    PerChannelGrid,
-    QQQQuantizer,
+from quantkit.quantizers.context import LayerContext
+from quantkit.quantizers.gptq import GPTQOptions, gptq_quantize
+from quantkit.quantizers.int8_matmul import int8_matmul
+from quantkit.quantizers.qqq import QQQOptions, QQQQuantizer
+from quantkit.quantizers.qqq_grids import Int8Weight, PerChannelGrid, make_grid
+from quantkit.quantizers.qqq_probe import SmoothingProbe, matmul_probe, module_probe
+from quantkit.quantizers.qqq_search import (
     SmoothingChoice,
-    SmoothingProbe,
-    _matmul_probe,
-    _module_probe,
     candidate_thresholds,
     confirm_after_gptq,
-    int8_matmul,
-    make_grid,
     refine_on_grid,
     search_smoothing,
     threshold_scales,
@@ -56,7 +53,7 @@ def with_outliers(model: nn.Module) -> nn.Module:
 
 
 def qqq_config(group_size: int) -> QuantConfig:
-    return QuantConfig(method="qqq", group_size=group_size, act_order=True, act_bits=8)
+    return QuantConfig(method="qqq", group_size=group_size, act_bits=8, options=QQQOptions(act_order=True))
 
 
 def fake_int8_tokens(x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +114,7 @@ def test_int8_loss_is_the_fake_quantized_loss(group_size: int) -> None:
     layer = adapter.get_layers(model)[0]
     ctx = LayerContext(0, layer, adapter, inputs, layer_kwargs[0], masks, cpu)
     for group in active_scaling_groups(layer, adapter):
-        probe = (_module_probe if group.inspect else _matmul_probe)(ctx, group, group_size, None)
+        probe = (module_probe if group.inspect else matmul_probe)(ctx, group, group_size, None)
         scales = threshold_scales(probe.channel_max, probe.channel_min, probe.bound() / 4)
         assert bool((scales != 1).any())
         smoothed = [w * scales.to(w) for w in probe.weights]
@@ -333,15 +330,15 @@ def test_fallback_stays_on_qqq_grid(caplog) -> None:
 
 
 def test_qqq_forces_its_scheme(caplog) -> None:
-    config = QuantConfig(method="qqq", group_size=32, sym=False, act_order=False, act_bits=16)
+    config = QuantConfig(method="qqq", group_size=32, sym=False, act_bits=16, options=QQQOptions(act_order=False))
     with caplog.at_level(logging.WARNING, logger="quantkit"):
         get_method(config)
-    assert (config.sym, config.act_order, config.act_bits) == (True, True, 8)
+    assert (config.sym, config.options.act_order, config.act_bits) == (True, True, 8)
     assert any("act_bits" in r.message for r in caplog.records)
     with pytest.raises(QuantizationError, match="4-bit"):
         get_method(QuantConfig(method="qqq", bits=8))
     with pytest.raises(QuantizationError, match="smooth_search must be one of"):
-        get_method(QuantConfig(method="qqq", smooth_search="golden"))
+        QQQOptions(smooth_search="golden")
 
 
 @pytest.mark.parametrize("group_size", [-1, 32])
@@ -352,7 +349,8 @@ def test_rtn_and_gptq_weights_ignore_act_bits(method: str, group_size: int) -> N
     original, calib = with_outliers(tiny_model("llama")), random_calibration()
     models = {}
     for act_bits in (16, 8):
-        config = QuantConfig(method=method, group_size=group_size, act_bits=act_bits, act_order=method == "gptq")
+        options = GPTQOptions(act_order=True) if method == "gptq" else None
+        config = QuantConfig(method=method, group_size=group_size, act_bits=act_bits, options=options)
         models[act_bits] = copy.deepcopy(original)
         quantize_model(models[act_bits], get_adapter(original), calib, config, device="cpu", show_progress=False)
     w4a16, w4a8 = (models[bits].state_dict() for bits in (16, 8))
@@ -372,7 +370,7 @@ def test_w4a8_end_to_end_beats_gptq_and_rtn_and_reloads(tmp_path, group_size: in
     errors, models = {}, {}
     for method in ("rtn", "gptq", "qqq"):
         model = copy.deepcopy(original)
-        config = QuantConfig(method=method, group_size=group_size, act_bits=8, act_order=method == "qqq")
+        config = QuantConfig(method=method, group_size=group_size, act_bits=8)  # QQQ turns act-order on itself
         quantize_model(model, get_adapter(model), calib, config, device="cpu", show_progress=False)
         assert all(q.act_bits == 8 for q in quantized_modules(model).values())
         logits = model(calib.input_ids).logits

@@ -13,6 +13,7 @@ from quantkit.quantizers.rtn import (
     MSE_GRID,
     MSE_MAX_SHRINK,
     MSE_NORM,
+    RTNOptions,
     find_qparams,
     rtn_fake_quantize,
     rtn_quantize,
@@ -120,7 +121,7 @@ def test_mse_search_is_the_best_shrunk_grid(sym):
 
 
 def test_rtn_method_leaves_weight_untouched():
-    method = get_method(QuantConfig(method="rtn", group_size=32, mse=True))
+    method = get_method(QuantConfig(method="rtn", group_size=32, options=RTNOptions(mse=True)))
     assert not method.needs_activations
     linear = nn.Linear(64, 8, bias=False).to(torch.bfloat16)
     before = linear.weight.detach().clone()

@@ -29,6 +29,7 @@ from quantkit.formats.base import (
     unpack_int32,
 )
 from quantkit.qtensor import QuantizationError, QuantizedWeight
+from quantkit.quantizers.gptq import GPTQOptions
 
 
 @register
@@ -84,6 +85,8 @@ class GPTQFormat(CheckpointFormat):
         )
 
     def quantization_config(self, config: QuantConfig, ignored_modules: list[str]) -> dict:
+        # methods without GPTQ's options (RTN, AWQ) record its defaults, as GPTQModel's config always holds them
+        gptq = config.options if isinstance(config.options, GPTQOptions) else GPTQOptions()
         qconfig = {
             "quant_method": self.quant_method,
             "checkpoint_format": "gptq",
@@ -91,8 +94,8 @@ class GPTQFormat(CheckpointFormat):
             "group_size": config.group_size,
             "sym": True,
             "desc_act": False,
-            "static_groups": config.act_order,
-            "damp_percent": config.damp_percent,
+            "static_groups": gptq.act_order,
+            "damp_percent": gptq.damp_percent,
             "lm_head": False,
             "pack_dtype": "int32",
             "meta": {"quantizer": [f"quantkit:{__version__}"]},

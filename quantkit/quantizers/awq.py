@@ -34,20 +34,17 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from quantkit.config import QuantConfig
+from quantkit.config import QuantConfig, option
 from quantkit.models.adapters import ScalingGroup
 from quantkit.qtensor import QuantizationError, check_group_size
 from quantkit.quantizers.base import LinearQuantizer, Method, register
-from quantkit.quantizers.rtn import RTNQuantizer, rtn_fake_quantize
+from quantkit.quantizers.context import LayerContext
+from quantkit.quantizers.rtn import RTNOptions, RTNQuantizer, rtn_fake_quantize
 from quantkit.smoothing import active_scaling_groups, fold_scales
-
-if TYPE_CHECKING:
-    from quantkit.engine import LayerContext
 
 log = logging.getLogger("quantkit")
 
@@ -59,6 +56,17 @@ CLIP_STEPS = 10
 CLIP_TOKENS = 512  # AutoAWQ n_sample_token: every (tokens // 512)-th token
 CLIP_ELEMENTS = 2**26  # bound on one output-channel batch's temporaries in the clip search
 UNCLIPPED = ("q_proj", "k_proj")
+
+
+@dataclass(frozen=True)
+class AWQOptions(RTNOptions):
+    """AWQ's searches; the linears are then RTN-quantized with RTN's options."""
+
+    grid: int = option(20, "scale ratios searched (0, 1/grid, ...)", flag="--awq-grid", legacy="awq_grid",
+                       minimum=1)
+    duo_scaling: bool = option(False, "s = mean|x|^r / mean|w|^(1-r)", flag="--duo-scaling",
+                               legacy="awq_duo_scaling")
+    clip: bool = option(True, "search clipping ranges", flag="--clip/--no-clip", legacy="awq_clip")
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -95,7 +103,8 @@ def scaled_fake_quant(weight: torch.Tensor, scales: torch.Tensor, config: QuantC
     """Q(W s) / s in W's dtype: what the linear computes once s is folded into it and it is quantized."""
     wide = _wide(weight.dtype)
     scaled = (weight.to(wide) * scales).to(weight.dtype)  # as fold_scales stores it
-    deq = rtn_fake_quantize(scaled, config.bits, config.group_size, config.sym, config.mse).to(wide)
+    mse = config.options_as(RTNOptions).mse
+    deq = rtn_fake_quantize(scaled, config.bits, config.group_size, config.sym, mse).to(wide)
     return (deq / scales).to(weight.dtype)
 
 
@@ -230,9 +239,10 @@ def search_scales(ctx: LayerContext, group: ScalingGroup, config: QuantConfig) -
         result.skipped = "non-finite activations"
         return result
     weights = [ctx.module(n).weight for n in group.linears]
-    w_mean = weight_mean(weights, config.group_size) if config.awq_duo_scaling else None
-    candidates = grid_scales(x_mean, w_mean, config.awq_grid)
-    if config.awq_duo_scaling:  # the grid does not contain s = 1: measure plain RTN on the side
+    options = config.options_as(AWQOptions)
+    w_mean = weight_mean(weights, config.group_size) if options.duo_scaling else None
+    candidates = grid_scales(x_mean, w_mean, options.grid)
+    if options.duo_scaling:  # the grid does not contain s = 1: measure plain RTN on the side
         with_unit = torch.cat([torch.ones_like(x_mean)[None], candidates])
         losses = _mean_squared_errors(ctx, group, data, with_unit, config)
         result.rtn_loss, grid_losses = float(losses[0]), losses[1:]
@@ -245,7 +255,7 @@ def search_scales(ctx: LayerContext, group: ScalingGroup, config: QuantConfig) -
         result.skipped = "non-finite losses"
         return result
     best = int(torch.where(finite, grid_losses, torch.inf).argmin())
-    result.ratio, result.scales = best / config.awq_grid, candidates[best]
+    result.ratio, result.scales = best / options.grid, candidates[best]
     return result
 
 
@@ -283,6 +293,7 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, config: QuantConfig) -> C
     out_features, in_features = weight.shape
     group = check_group_size(in_features, config.group_size)
     n_groups, wide = in_features // group, _wide(weight.dtype)
+    mse = config.options_as(RTNOptions).mse
     x_grouped = x.to(wide).reshape(-1, n_groups, group).transpose(0, 1)
     batch = max(1, CLIP_ELEMENTS // (x.shape[0] * n_groups + 4 * in_features))
     parts: list[tuple[torch.Tensor, ...]] = []
@@ -295,7 +306,7 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, config: QuantConfig) -> C
         for step in range(CLIP_STEPS):
             shrink = 1 - step / CLIP_GRID
             clipped = _clamp(w, amax * shrink).to(weight.dtype).reshape(-1, in_features)
-            deq = rtn_fake_quantize(clipped, config.bits, group, config.sym, config.mse).to(wide)
+            deq = rtn_fake_quantize(clipped, config.bits, group, config.sym, mse).to(wide)
             diff = _group_outputs(x_grouped, deq.reshape(w.shape)) - reference
             err = diff.pow(2).mean(1).T  # [rows, groups]
             if step == 0:
@@ -365,11 +376,7 @@ def clip_layer(ctx: LayerContext, config: QuantConfig) -> dict:
 class AWQ(Method):
     name = "awq"
     needs_activations = False  # every statistic is used in smooth_layer; the linears get plain RTN
-
-    def __init__(self, config: QuantConfig) -> None:
-        if config.awq_grid < 1:
-            raise QuantizationError(f"awq_grid must be at least 1 (ratios searched), got {config.awq_grid}")
-        super().__init__(config)
+    options_class = AWQOptions
 
     def linear_quantizer(self, linear: nn.Linear) -> LinearQuantizer:
         return RTNQuantizer(linear, self.config)
@@ -391,6 +398,6 @@ class AWQ(Method):
                 fold_scales(ctx.layer, ctx.adapter, group, result.scales)
             scales[group.prev] = result.report()
         report: dict = {"scales": scales, "skipped_groups": skipped}
-        if self.config.awq_clip:
+        if self.config.options_as(AWQOptions).clip:
             report["clip"] = clip_layer(ctx, self.config)
         return report

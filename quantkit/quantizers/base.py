@@ -6,23 +6,24 @@ A method is two pieces:
     its Hessian from them.
   * optionally a smooth_layer step, run once per decoder layer before any linear is quantized:
     AWQ and QQQ search per-channel scales there and fold them into the layer's weights.
+Its options are a MethodOptions dataclass (Method.options_class, quantkit.config): QuantConfig.options holds
+them and `quantkit quantize` offers each field as a flag.
 
-The engine (quantkit.engine) drives both; a new method registers itself here and touches nothing else.
+The engine (quantkit.engine) drives both, handing smooth_layer a LayerContext (quantizers.context); methods
+never import the engine. A new method registers itself here and touches nothing else.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from quantkit.config import QuantConfig
+from quantkit.config import MethodOptions, QuantConfig
 from quantkit.qtensor import QuantizationError, QuantizedWeight
-
-if TYPE_CHECKING:
-    from quantkit.engine import LayerContext
+from quantkit.quantizers.context import LayerContext
 
 
 class LinearQuantizer(ABC):
@@ -45,6 +46,7 @@ class LinearQuantizer(ABC):
 class Method(ABC):
     name: ClassVar[str]
     needs_activations: ClassVar[bool] = True
+    options_class: ClassVar[type[MethodOptions]] = MethodOptions  # what QuantConfig.options holds for it
 
     def __init__(self, config: QuantConfig) -> None:
         self.config = config
@@ -65,9 +67,19 @@ def register(cls: type[Method]) -> type[Method]:
     return cls
 
 
-def get_method(config: QuantConfig) -> Method:
+def registered_methods() -> dict[str, type[Method]]:
+    """Every method by name, the built-in ones included."""
     import quantkit.quantizers  # noqa: F401  (registers the built-in methods)
 
-    if config.method not in METHODS:
-        raise QuantizationError(f"unknown method {config.method!r}; available: {', '.join(sorted(METHODS))}")
-    return METHODS[config.method](config)
+    return METHODS
+
+
+def method_class(name: str) -> type[Method]:
+    methods = registered_methods()
+    if name not in methods:
+        raise QuantizationError(f"unknown method {name!r}; available: {', '.join(sorted(methods))}")
+    return methods[name]
+
+
+def get_method(config: QuantConfig) -> Method:
+    return method_class(config.method)(config)

@@ -34,15 +34,32 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from quantkit.config import QuantConfig
+from quantkit.config import QuantConfig, option
 from quantkit.qtensor import QuantizationError, QuantizedWeight, check_group_size, quantize_codes
 from quantkit.quantizers.base import LinearQuantizer, Method, register
-from quantkit.quantizers.rtn import check_finite_weights, find_qparams, layer_label, rtn_quantize
+from quantkit.quantizers.rtn import RTNOptions, check_finite_weights, find_qparams, layer_label, rtn_quantize
 
 log = logging.getLogger("quantkit")
 
 DAMP_GROWTH = 10.0
 MAX_DAMP_ATTEMPTS = 4  # damp_percent x1, x10, x100, x1000 (0.01 -> up to 10 x mean(diag H))
+
+
+@dataclass(frozen=True)
+class GPTQOptions(RTNOptions):
+    """GPTQ's options (RTN's grid options, which its fallback uses, included); QQQ extends these."""
+
+    damp_percent: float = option(0.01, "relative dampening", flag="--damp")
+    act_order: bool = option(False, "act-order with static groups (no inference cost)",
+                             flag="--act-order/--no-act-order", cli_default=True)
+    block_size: int = option(128, "columns per lazy-batch block", minimum=1)
+
+    def check(self) -> None:
+        if not 0 < self.damp_percent < 1:
+            raise QuantizationError(f"damp_percent must be in (0, 1), got {self.damp_percent}")
+
+    def label(self) -> str:
+        return " act-order" if self.act_order else ""
 
 
 class WeightGrid(Protocol):
@@ -103,7 +120,7 @@ def _quantize_block(
     for i in range(b.weights.shape[1]):
         if dynamic_group is not None and i % dynamic_group == 0:
             scale, zero = find_qparams(
-                b.weights[:, i : i + dynamic_group], config.bits, config.sym, config.mse
+                b.weights[:, i : i + dynamic_group], config.bits, config.sym, config.options_as(RTNOptions).mse
             )
             b.scales[:, i : i + dynamic_group] = scale.unsqueeze(1)
             b.zeros[:, i : i + dynamic_group] = zero.unsqueeze(1)
@@ -183,7 +200,7 @@ def _quantize_columns(
     the result does not depend on block_size (it equals the column-by-column algorithm).
     """
     rows, cols = W.shape
-    block = config.block_size
+    block = config.options_as(GPTQOptions).block_size
     if dynamic_group is not None:
         block = max(dynamic_group, block - block % dynamic_group)
     loops = {
@@ -217,7 +234,7 @@ def _rtn_fallback(
     """RTN-quantize the layer; info["loss"] is then the same objective with the undamped Hessian."""
     log.warning("GPTQ: %s for %s; falling back to RTN", reason, layer_label(weight))
     if grid is None:
-        result = rtn_quantize(weight, config.bits, config.group_size, config.sym, config.mse)
+        result = rtn_quantize(weight, config.bits, config.group_size, config.sym, config.options_as(RTNOptions).mse)
     else:  # with an identity Hessian no error is spread: GPTQ is RTN on the grid
         result = gptq_quantize(weight, torch.eye(weight.shape[1], device=weight.device), config, grid)
     loss = math.nan
@@ -236,6 +253,7 @@ def gptq_quantize(
     The math runs in fp32 (fp64 for a float64 weight, which the reference tests use to compare exactly).
     `grid` replaces the min-max grid of config.bits/sym/mse; its parameters are static, as with act-order.
     """
+    options = config.options_as(GPTQOptions)
     dtype = torch.promote_types(weight.dtype, torch.float32)
     W = weight.detach().to(dtype, copy=True)
     H = hessian.to(W.device, dtype, copy=True)
@@ -246,19 +264,19 @@ def gptq_quantize(
     W[:, dead] = 0
 
     # Per-channel parameters are static in the reference as well (found once, before any update).
-    static = config.act_order or group == cols or grid is not None
+    static = options.act_order or group == cols or grid is not None
     if grid is not None:
         scales, zeros = grid.qparams(W.view(rows, cols // group, group))
     elif static:
-        scales, zeros = find_qparams(W.view(rows, cols // group, group), config.bits, config.sym, config.mse)
+        scales, zeros = find_qparams(W.view(rows, cols // group, group), config.bits, config.sym, options.mse)
     else:
         scales, zeros = W.new_empty(rows, cols // group), W.new_empty(rows, cols // group)
     order = torch.arange(cols, device=W.device)
-    if config.act_order:
+    if options.act_order:
         order = torch.argsort(H.diagonal(), descending=True, stable=True)
         W, H = W[:, order], H[order][:, order]
 
-    U, damp_percent = inverse_hessian_factor(H, config.damp_percent, layer_label(weight))
+    U, damp_percent = inverse_hessian_factor(H, options.damp_percent, layer_label(weight))
     del H
     if U is None:
         return _rtn_fallback(
@@ -273,7 +291,7 @@ def gptq_quantize(
         return _rtn_fallback(
             weight, hessian, config, "GPTQ produced a non-finite loss", grid, damp_percent=damp_percent
         )
-    if config.act_order:
+    if options.act_order:
         codes = codes[:, torch.argsort(order)]
     return QuantizedWeight(
         codes=codes,
@@ -343,6 +361,7 @@ class GPTQQuantizer(LinearQuantizer):
 @register
 class GPTQ(Method):
     name = "gptq"
+    options_class = GPTQOptions
 
     def linear_quantizer(self, linear: nn.Linear) -> LinearQuantizer:
         return GPTQQuantizer(linear, self.config)

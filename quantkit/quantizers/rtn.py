@@ -6,9 +6,12 @@ back to RTN when its Hessian cannot be inverted.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from quantkit.config import MethodOptions, option
 from quantkit.qtensor import (
     QuantizationError,
     QuantizedWeight,
@@ -24,6 +27,13 @@ from quantkit.quantizers.base import LinearQuantizer, Method, register
 MSE_MAX_SHRINK = 0.8
 MSE_GRID = 100
 MSE_NORM = 2.4
+
+
+@dataclass(frozen=True)
+class RTNOptions(MethodOptions):
+    """The grid of each weight group; GPTQ's and AWQ's options extend these."""
+
+    mse: bool = option(False, "search clipped scales by MSE", flag="--mse")
 
 
 def layer_label(weight: torch.Tensor) -> str:
@@ -98,13 +108,14 @@ def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, ms
 class RTNQuantizer(LinearQuantizer):
     def quantize(self) -> QuantizedWeight:
         c = self.config
-        return rtn_quantize(self.linear.weight, c.bits, c.group_size, c.sym, c.mse)
+        return rtn_quantize(self.linear.weight, c.bits, c.group_size, c.sym, c.options_as(RTNOptions).mse)
 
 
 @register
 class RTN(Method):
     name = "rtn"
     needs_activations = False
+    options_class = RTNOptions
 
     def linear_quantizer(self, linear: nn.Linear) -> LinearQuantizer:
         return RTNQuantizer(linear, self.config)

@@ -1,0 +1,92 @@
+"""QuantConfig: the shared scheme plus the method's options object; old flat quant_config dicts read back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quantkit.config import QuantConfig
+from quantkit.qtensor import QuantizationError
+from quantkit.quantizers.awq import AWQOptions
+from quantkit.quantizers.gptq import GPTQOptions
+from quantkit.quantizers.qqq import QQQOptions
+from quantkit.quantizers.rtn import RTNOptions
+
+# quant_config as quantkit.json held it before options were per method: every method's knobs side by side
+OLD_DEFAULTS = {"method": "gptq", "bits": 4, "group_size": 128, "sym": True, "act_bits": 16, "act_order": False,
+                "damp_percent": 0.01, "block_size": 128, "mse": False, "awq_duo_scaling": False, "awq_grid": 20,
+                "awq_clip": True, "smooth_steps": None, "smooth_search": "refine", "smooth_samples": None,
+                "smooth_check": True, "ignore": []}
+
+OLD_AND_NEW = [
+    pytest.param({"method": "rtn", "group_size": 32, "mse": True, "act_order": True},
+                 QuantConfig(method="rtn", group_size=32, options=RTNOptions(mse=True)), id="rtn"),
+    pytest.param({"method": "gptq", "group_size": 64, "sym": False, "act_order": True, "damp_percent": 0.05,
+                  "block_size": 32, "awq_grid": 5, "smooth_steps": 7},
+                 QuantConfig(method="gptq", group_size=64, sym=False,
+                             options=GPTQOptions(act_order=True, damp_percent=0.05, block_size=32)), id="gptq"),
+    pytest.param({"method": "awq", "group_size": -1, "awq_grid": 5, "awq_duo_scaling": True, "awq_clip": False,
+                  "mse": True, "ignore": ["mlp.down_proj"]},
+                 QuantConfig(method="awq", group_size=-1, ignore=["mlp.down_proj"],
+                             options=AWQOptions(grid=5, duo_scaling=True, clip=False, mse=True)), id="awq"),
+    pytest.param({"method": "qqq", "act_bits": 8, "act_order": True, "smooth_steps": 8, "smooth_search": "grid",
+                  "smooth_samples": 16, "smooth_check": False, "awq_clip": False},
+                 QuantConfig(method="qqq", act_bits=8, options=QQQOptions(
+                     act_order=True, smooth_steps=8, smooth_search="grid", smooth_samples=16, smooth_check=False)),
+                 id="qqq"),
+]
+
+
+@pytest.mark.parametrize("changes,expected", OLD_AND_NEW)
+def test_an_old_flat_quant_config_reads_back_as_the_same_config(changes: dict, expected: QuantConfig) -> None:
+    old = json.loads(json.dumps({**OLD_DEFAULTS, **changes}))  # as read from an older quantkit.json
+    assert QuantConfig.from_dict(old) == expected
+
+
+@pytest.mark.parametrize("changes,expected", OLD_AND_NEW)
+def test_to_dict_reads_back(changes: dict, expected: QuantConfig) -> None:
+    written = json.loads(json.dumps(expected.to_dict()))
+    assert written["options"] == {f: getattr(expected.options, f) for f in written["options"]}
+    assert QuantConfig.from_dict(written) == expected
+
+
+def test_defaults_are_the_methods_options() -> None:
+    assert QuantConfig().options == GPTQOptions()
+    assert QuantConfig(method="awq").options == AWQOptions()
+    assert QuantConfig.from_dict({"method": "qqq"}) == QuantConfig(method="qqq")
+
+
+def _one_line_error(make) -> str:
+    with pytest.raises(QuantizationError) as info:
+        make()
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: GPTQOptions(damp_percent=0), "damp_percent must be in (0, 1), got 0"),
+    (lambda: GPTQOptions(damp_percent=1.5), "damp_percent must be in (0, 1), got 1.5"),
+    (lambda: GPTQOptions(block_size=0), "block_size must be at least 1, got 0"),
+    (lambda: QQQOptions(damp_percent=-1), "damp_percent must be in (0, 1), got -1"),  # GPTQ's check, inherited
+    (lambda: AWQOptions(grid=0), "grid must be at least 1, got 0"),
+    (lambda: QQQOptions(smooth_steps=0), "smooth_steps must be at least 1, got 0"),
+    (lambda: QQQOptions(smooth_samples=-2), "smooth_samples must be at least 1, got -2"),
+    (lambda: QQQOptions(smooth_search="golden"), "smooth_search must be one of ('refine', 'grid'), got 'golden'"),
+    (lambda: QuantConfig.from_dict({"method": "awq", "awq_grid": 0}), "grid must be at least 1, got 0"),
+    (lambda: QuantConfig(method="awq", options=GPTQOptions()), "method 'awq' takes AWQOptions, got GPTQOptions"),
+    (lambda: QuantConfig(method="golden"), "unknown method 'golden'; available: awq, gptq, qqq, rtn"),
+    (lambda: QuantConfig.from_dict({"method": "gptq", "act_ordr": True}), "unknown quant_config keys: act_ordr"),
+    (lambda: QuantConfig.from_dict({"method": "gptq", "options": {"grid": 5, "bogus": 1}}),
+     "unknown quant_config keys: bogus"),
+])
+def test_invalid_options_are_one_clear_line(make, message: str) -> None:
+    assert _one_line_error(make) == message
+
+
+def test_label_names_act_order_only_where_it_is_a_choice() -> None:
+    assert QuantConfig(group_size=64, options=GPTQOptions(act_order=True)).label() == "gptq W4A16 g64 sym act-order"
+    assert QuantConfig(method="rtn", group_size=-1).label() == "rtn W4A16 per-channel sym"
+    qqq = QuantConfig(method="qqq", act_bits=8, options=QQQOptions(act_order=True))
+    assert qqq.label() == "qqq W4A8 g128 sym"
