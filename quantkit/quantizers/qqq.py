@@ -19,7 +19,7 @@ arXiv:2406.09904): 4-bit weights and per-token dynamic int8 activations (W4A8), 
    the reference) a coarse pass over every ~count/24-th threshold and local searches from its 3 best: on
    SmolLM2's first 6 layers its loss was 0.36% (g64) and 0.03% (per channel) above the full grid's minimum on
    average, closer than a grid of half the steps (0.49%, 0.18%), from 34 evaluations per group instead of 107
-   (benchmarks/accuracy/qqq_threshold_search_*.md); its count grows with log(max|x|), not max|x| (massive
+   (benchmarks/accuracy/RESULTS.md, "QQQ's threshold search"); its count grows with log(max|x|), not max|x| (massive
    activations of 1000 make the reference rule's grid 2001 candidates, the refined search <= 67 evaluations).
    With options.smooth_check (default; not in the reference) the searched s is kept only if it also lowers
    the loss when GPTQ, not rounding, quantizes the group's weights (Hessian of x / s on the loss tokens):
