@@ -70,7 +70,7 @@ def _guarded(work: Callable[[], None], debug: bool) -> None:
     except typer.Exit:
         raise
     except KeyboardInterrupt:
-        print("interrupted: nothing was written", file=sys.stderr)
+        print("interrupted (an unfinished export is removed, never left half-written)", file=sys.stderr)
         raise typer.Exit(code=130) from None
     except Exception as err:
         if debug or os.environ.get(DEBUG_ENV, "0") not in ("", "0"):

@@ -4,7 +4,7 @@ but suspicious values get a warning saying what the user will get."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import logging
 import os
 import shutil
@@ -31,6 +31,9 @@ def check_min(option: str, value: int | None, minimum: int, hint: str = "") -> N
 
 def check_seqlen(option: str, seqlen: int) -> None:
     check_min(option, seqlen, MIN_SEQLEN, f" (a window of {seqlen} tokens has no context; 512 is usual)")
+
+
+def warn_short_seqlen(option: str, seqlen: int) -> None:
     if seqlen < SHORT_SEQLEN:
         log.warning("%s %d is short: each window sees at most %d tokens of context, so results will "
                     "not reflect how the model is used (512 is usual)", option, seqlen, seqlen)
@@ -69,11 +72,9 @@ def check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
 def require_module(module: str, feature: str, install: str) -> None:
     """Fail now, not after the work, when a requested feature's optional dependency is missing."""
     try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        raise QuantizationError(f"{feature} needs {module}, which is not installed: {install}")
+        importlib.import_module(module)  # an import, not a lookup: a broken install fails here, not after the work
+    except ImportError as err:
+        raise QuantizationError(f"{feature} needs {module}, which cannot be imported ({err}): {install}") from err
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -90,8 +91,13 @@ def check_writable_folder(option: str, folder: Path) -> None:
     base = _existing_ancestor(folder)
     if not base.is_dir():
         raise QuantizationError(f"{option} {folder}: {base} is a file, so the folder cannot be created")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise QuantizationError(f"{option} {folder}: {base} is not writable by you; choose another place")
+    probe = base / f".quantkit-probe-{os.getpid()}"
+    try:  # a real write: permission bits say nothing for root or on a read-only mount
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise QuantizationError(f"{option} {folder}: cannot write in {base} ({err.strerror}); "
+                                "choose another place") from err
 
 
 def check_writable_file(option: str, path: Path) -> None:
@@ -151,6 +157,7 @@ def check_quantize_request(*, source: str | None, calib: str | None, output: Pat
     clean_stale(output)
     check_output_target(output, overwrite, protected_folder(source_path))
     check_free_space(output, estimate_export_bytes(source_path, bits), f"the export to {output}")
+    warn_short_seqlen("--seqlen", seqlen)
     warn_few_calibration_tokens(nsamples, seqlen)
 
 
@@ -176,3 +183,4 @@ def check_eval_request(*, models: list[str], texts: list[str] | None, report_dir
     if report_dir is not None:
         check_writable_folder("--report", report_dir)
         require_module("matplotlib", "--report (its plots)", "pip install 'quantkit[plot]' (or pip install matplotlib)")
+    warn_short_seqlen("--seqlen", seqlen)
