@@ -3,6 +3,7 @@ does with it, the export's permissions, progress lines, and results that outlive
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -10,11 +11,17 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from test_adapters import tiny_model as tiny_module
 from test_cli_errors import QUICK, cli, snapshot, tiny_model  # noqa: F401  (fixture)
+from test_engine import random_calibration
 from test_eval_tasks import tiny_lm  # noqa: F401  (fixture)
 
+from quantkit import export
+from quantkit.config import QuantConfig
+from quantkit.engine import quantize_model
 from quantkit.eval import report
 from quantkit.eval.runner import run_eval
+from quantkit.models import get_adapter
 from quantkit.outputs import MARKER, OLD_PREFIX, TMP_PREFIX, check_output_target, clean_stale, staged_output
 from quantkit.preflight import check_free_space
 from quantkit.qtensor import QuantizationError
@@ -71,6 +78,23 @@ def test_free_space_is_checked(tmp_path) -> None:
     check_free_space(tmp_path, 1, "a tiny export")
     with pytest.raises(QuantizationError, match="free"):
         check_free_space(tmp_path / "not" / "yet", 2**60, "an exabyte export")
+
+
+def test_a_full_disk_during_export_keeps_the_previous_export(tmp_path, monkeypatch) -> None:
+    model = tiny_module("llama")
+    config = QuantConfig(method="rtn", group_size=32)
+    quantize_model(model, get_adapter(model), random_calibration(), config, device="cpu", show_progress=False)
+    out = export.export_checkpoint(model, None, tmp_path / "q", config, "compressed-tensors")
+    before = snapshot(tmp_path)
+
+    def full_disk(tensors: dict, folder: Path) -> None:
+        (folder / "model.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export, "_write_shards", full_disk)
+    with pytest.raises(QuantizationError, match="disk full while writing .*nothing was replaced"):
+        export.export_checkpoint(model, None, out, config, "compressed-tensors", overwrite=True)
+    assert snapshot(tmp_path) == before
 
 
 def _modes(folder: Path) -> set[tuple[bool, int]]:
