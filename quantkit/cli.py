@@ -36,8 +36,11 @@ class SmoothSearch(str, Enum):
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
-                        handlers=[RichHandler(console=console, show_path=False)], force=True)
+    # a log file gets whole timestamped lines, not rich's 80-column wrapped panels
+    handler = RichHandler(console=console, show_path=False) if console.is_terminal else logging.StreamHandler()
+    plain = "%(message)s" if console.is_terminal else "%(asctime)s %(levelname)s %(message)s"
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format=plain, handlers=[handler],
+                        force=True)
     logging.getLogger("quantkit").setLevel(logging.INFO)
 
 
@@ -80,7 +83,7 @@ def _guarded(work: Callable[[], None], debug: bool) -> None:
 
 def _phase(message: str) -> None:
     """Say what starts now (a line in a log file too)."""
-    console.print(f"[dim]{message}...[/]")
+    console.print(f"[dim]{message}...[/]", soft_wrap=True)
 
 
 def default_output(model: str | None, method: str, bits: int, act_bits: int, group_size: str) -> Path:
