@@ -8,7 +8,9 @@ import importlib
 import logging
 import os
 import shutil
+import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
@@ -130,9 +132,26 @@ def estimate_export_bytes(source: Path | None, bits: int) -> int:
     return sum(f.stat().st_size for f in files) * bits // 16
 
 
-def check_existing_file(option: str, path: str | Path) -> None:
-    if not Path(path).expanduser().is_file():
-        raise QuantizationError(f"{option} {path}: no such file")
+HUB_TIMEOUT_S = 3.0
+
+
+def check_hub_reachable(source: str) -> None:
+    """A hub name that is not cached needs the hub: find out in seconds, not after the hub client's retries."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    from quantkit.models.loading import is_default_name
+
+    if is_default_name(source) or Path(source).expanduser().exists() or constants.HF_HUB_OFFLINE:
+        return  # offline mode: transformers itself fails at once on what is not cached
+    if isinstance(try_to_load_from_cache(source, "config.json"), str):
+        return
+    url = urlsplit(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=HUB_TIMEOUT_S).close()
+    except OSError as err:
+        raise QuantizationError(f"{source!r} is not a local path and the hub ({constants.ENDPOINT}) cannot be "
+                                f"reached ({err.strerror or err}): give a local folder or .gguf file") from err
 
 
 def check_quantize_request(*, source: str | None, calib: str | None, output: Path, overwrite: bool,
@@ -152,6 +171,7 @@ def check_quantize_request(*, source: str | None, calib: str | None, output: Pat
     check_choice("--dtype", dtype, EXPORT_DTYPES)
     source_path = default_model_path() if is_default_name(source) else Path(str(source)).expanduser()
     check_model_source(str(source_path))
+    check_hub_reachable(str(source_path))
     check_text_source(calib)
     check_writable_folder("--output", output)
     clean_stale(output)
@@ -176,6 +196,7 @@ def check_eval_request(*, models: list[str], texts: list[str] | None, report_dir
     check_min("--num-fewshot", num_fewshot, 0)
     for model in models:
         check_model_source(model)
+        check_hub_reachable(model)
     for text in texts or []:
         check_text_source(text, "--text")
     if json_path is not None:

@@ -184,6 +184,13 @@ def test_hub_name_offline(tmp_path) -> None:
             ("nobody-here/no-such-model", "hub"), tmp_path, alone=False, cwd=tmp_path)
 
 
+def test_hub_name_without_network_fails_at_once(tmp_path) -> None:
+    """Not in offline mode: the hub is tried once, quickly (here an endpoint where nothing listens)."""
+    refuses(["quantize", "nobody-here/no-such-model", *QUICK, "-o", str(tmp_path / "q")],
+            ("nobody-here/no-such-model", "cannot be reached", "local folder"), tmp_path, cwd=tmp_path,
+            env={"HF_HUB_OFFLINE": None, "HF_ENDPOINT": "http://127.0.0.1:9"})
+
+
 # --- eval ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("option,value", [("--max-windows", "0"), ("--seqlen", "1"), ("--batch-size", "0"),
