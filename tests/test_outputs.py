@@ -142,6 +142,24 @@ def test_a_failing_report_keeps_the_json(tiny_lm, tmp_path, monkeypatch) -> None
         assert json.loads(saved.read_text())["models"][0]["perplexity"]["sample"]["ppl"] > 1
 
 
+def test_a_failing_second_model_keeps_the_first_ones_metrics(tiny_lm, tmp_path) -> None:  # noqa: F811
+    model, tokenizer = tiny_lm
+
+    def loader(name: str) -> tuple:
+        if name == "broken":
+            raise QuantizationError("could not load the model in broken")
+        return model, tokenizer, name
+
+    text = tmp_path / "sample.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    with pytest.raises(QuantizationError, match="broken"):
+        run_eval(["base", "broken"], texts=[str(text)], tasks=[], limit=None, num_fewshot=None, generations=False,
+                 report_dir=None, json_path=tmp_path / "metrics.json", batch_size=2, device="cpu", seqlen=32,
+                 console=Console(quiet=True), loader=loader)
+    models = json.loads((tmp_path / "metrics.json").read_text())["models"]
+    assert [m["label"] for m in models] == ["base"] and models[0]["perplexity"]["sample"]["ppl"] > 1
+
+
 def test_cli_failing_report_leaves_the_json(tiny_model, tmp_path) -> None:  # noqa: F811
     """The real command with a matplotlib that imports but cannot plot: exit 2, one line, the JSON is there."""
     fake = tmp_path / "fake"

@@ -146,21 +146,28 @@ def run_eval(
     }
     results = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "config": config,
                "prompts": prompt_list, "models": []}
+
+    def keep(entries: list[dict]) -> None:  # each finished model's metrics are on disk before the next one loads
+        if json_path is not None:
+            report.write_json({**results, "models": entries}, Path(json_path))
+
     results["models"] = _evaluate_all(loader or _default_loader(device), task_list, prepared, sources, prompt_list,
-                                      config, console)
+                                      config, console, keep)
     write_outputs(results, json_path, report_dir, console)
     _print_tables(results, console)
     return results
 
 
 def _evaluate_all(loader: Loader, task_list: list[Task], prepared: dict, sources: dict[str, str],
-                  prompt_list: list[str], config: dict, console: Console) -> list[dict]:
+                  prompt_list: list[str], config: dict, console: Console,
+                  keep: Callable[[list[dict]], None]) -> list[dict]:
     entries: list[dict] = []
     target = None
     for name in config["models"]:
         entry, target = _evaluate_model(name, loader, task_list, prepared, sources, prompt_list, config, console, target)
         entry["label"] = _unique_label(entry["label"], [m["label"] for m in entries])
         entries.append(entry)
+        keep(entries)
     return entries
 
 
@@ -217,6 +224,7 @@ def _evaluate_model(
     target: speculative.TargetRun | None,
 ) -> tuple[dict, speculative.TargetRun | None]:
     """The model's entry, and the speculative-decoding target run (made from the first model, when asked for)."""
+    console.print(f"loading {name}...", soft_wrap=True)
     start = time.perf_counter()
     model, tokenizer, label = loader(name)
     model = _place(model, config["device"])
