@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -102,9 +103,25 @@ def clean_stale(output: Path) -> list[str]:
         if not _writer_alive(tmp):
             shutil.rmtree(tmp)
             done.append(f"removed {tmp.name}, the unfinished output of a killed run")
+    done += _clean_legacy(output)
     for line in done:
         log.warning(line)
     return done
+
+
+def _clean_legacy(output: Path) -> list[str]:
+    """Before the prefix, exports were staged in tempfile.mkdtemp(prefix=".NAME."): remove such folders left
+    empty by a killed run (a non-empty one may be someone's: only mentioned)."""
+    said = []
+    for folder in sorted(output.parent.glob(f".{output.name}.*")):
+        if not (folder.is_dir() and re.fullmatch(r"[a-z0-9_]{8}", folder.name.rsplit(".", 1)[-1])):
+            continue
+        if any(folder.iterdir()):
+            said.append(f"{folder} looks like an unfinished export of an older quantkit; remove it if it is not yours")
+        else:
+            folder.rmdir()
+            said.append(f"removed {folder.name}, an empty folder a killed run of an older quantkit left")
+    return said
 
 
 def _umask() -> int:

@@ -22,7 +22,6 @@ MIN_SEQLEN = 16  # shorter windows carry almost no context: calibration and perp
 SHORT_SEQLEN = 128
 FEW_CALIBRATION_TOKENS = 8192  # below this, GPTQ's Hessians and AWQ's activation means are noisy
 FREE_SPACE_MARGIN = 64 * 2**20  # tokenizer, configs and the filesystem's own slack
-EXPORT_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
 def check_min(option: str, value: int | None, minimum: int, hint: str = "") -> None:
@@ -49,7 +48,7 @@ def warn_few_calibration_tokens(nsamples: int, seqlen: int) -> None:
 
 
 def resolve_device(device: str | None) -> str:
-    """The work device: the one asked for if this machine has it, else cuda when available, else cpu."""
+    """The work device: the one asked for (refused if this machine lacks it), else cuda if available, else cpu."""
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -159,6 +158,7 @@ def check_quantize_request(*, source: str | None, calib: str | None, output: Pat
                            smooth_steps: int | None, smooth_samples: int | None, dtype: str, bits: int) -> None:
     """Everything `quantkit quantize` can check before loading the model."""
     from quantkit.data import check_text_source
+    from quantkit.export import EXPORT_DTYPES
     from quantkit.models.loading import check_model_source, default_model_path, is_default_name
     from quantkit.outputs import check_output_target, clean_stale, protected_folder
 
@@ -168,7 +168,7 @@ def check_quantize_request(*, source: str | None, calib: str | None, output: Pat
     check_min("--eval-windows", eval_windows, 1)
     check_min("--smooth-steps", smooth_steps, 1)
     check_min("--smooth-samples", smooth_samples, 1)
-    check_choice("--dtype", dtype, EXPORT_DTYPES)
+    check_choice("--dtype", dtype, ("auto", *EXPORT_DTYPES))
     source_path = default_model_path() if is_default_name(source) else Path(str(source)).expanduser()
     check_model_source(str(source_path))
     check_hub_reachable(str(source_path))

@@ -74,6 +74,15 @@ def test_stale_folders_of_killed_runs(tmp_path) -> None:
     assert (tmp_path / "q" / MARKER).read_text() == "previous"  # a replace killed mid-way: the old export is back
 
 
+def test_empty_leftovers_of_older_versions_are_removed(tmp_path) -> None:
+    (tmp_path / ".q.a1b2c3d4").mkdir()  # what tempfile.mkdtemp(prefix=".q.") made before the prefix
+    (tmp_path / ".q.e5f6g7h8").mkdir()
+    (tmp_path / ".q.e5f6g7h8" / "model.safetensors").write_bytes(b"x")
+    said = clean_stale(tmp_path / "q")
+    assert not (tmp_path / ".q.a1b2c3d4").exists() and (tmp_path / ".q.e5f6g7h8" / "model.safetensors").is_file()
+    assert len(said) == 2 and "older quantkit" in said[0] and "older quantkit" in said[1]
+
+
 def test_free_space_is_checked(tmp_path) -> None:
     check_free_space(tmp_path, 1, "a tiny export")
     with pytest.raises(QuantizationError, match="free"):
