@@ -194,9 +194,14 @@ def test_hub_name_without_network_fails_at_once(tmp_path) -> None:
 # --- eval ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("option,value", [("--max-windows", "0"), ("--seqlen", "1"), ("--batch-size", "0"),
-                                          ("--max-new-tokens", "0"), ("--limit", "0")])
+                                          ("--max-new-tokens", "0"), ("--limit", "0"), ("--num-fewshot", "-1")])
 def test_eval_option_ranges(tiny_model, tmp_path, option: str, value: str) -> None:
     refuses(["eval", str(tiny_model), option, value], (option, "at least"), tmp_path, cwd=tmp_path)
+
+
+def test_eval_draft_lengths_that_are_not_integers(tiny_model, tmp_path) -> None:
+    refuses(["eval", str(tiny_model), str(tiny_model), "--speculative", "--draft-tokens", "1,x"],
+            ("--draft-tokens", "integers"), tmp_path, cwd=tmp_path)
 
 
 def test_eval_missing_text(tiny_model, tmp_path) -> None:
