@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import inspect
 import logging
+import os
 import sys
 import typing
+from collections.abc import Callable
 from dataclasses import Field, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -24,14 +27,67 @@ console = Console(stderr=True)
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
-                        handlers=[RichHandler(console=console, show_path=False)], force=True)
+    # a log file gets whole timestamped lines, not rich's 80-column wrapped panels
+    handler = RichHandler(console=console, show_path=False) if console.is_terminal else logging.StreamHandler()
+    plain = "%(message)s" if console.is_terminal else "%(asctime)s %(levelname)s %(message)s"
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format=plain, handlers=[handler],
+                        force=True)
     logging.getLogger("quantkit").setLevel(logging.INFO)
 
 
+DEBUG_ENV = "QUANTKIT_DEBUG"
+USER_ERRORS = (QuantizationError, ValueError, OSError)  # FileNotFoundError, PermissionError, a full disk
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
 def _fail(err: Exception) -> None:
-    console.print(f"[bold red]error:[/] {err}")
-    raise typer.Exit(code=2)
+    """One line on stderr: exit 2 for what the user can fix, 1 for anything else (a bug: --debug shows it)."""
+    from quantkit.eval.task_data import TaskDataError
+
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        message, code = f"disk full: {err}; free space and rerun", 2
+    elif isinstance(err, (*USER_ERRORS, TaskDataError)):
+        message, code = str(err), 2
+    else:
+        message, code = f"unexpected {type(err).__name__}: {err} (rerun with --debug for the trace)", 1
+    print(f"error: {_one_line(message)}", file=sys.stderr)
+    raise typer.Exit(code=code)
+
+
+def _guarded(work: Callable[[], None], debug: bool) -> None:
+    """Run a command's body; errors become one line unless --debug (or QUANTKIT_DEBUG=1) asks for the trace."""
+    try:
+        work()
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:
+        print("interrupted (an unfinished export is removed, never left half-written)", file=sys.stderr)
+        raise typer.Exit(code=130) from None
+    except Exception as err:
+        if debug or os.environ.get(DEBUG_ENV, "0") not in ("", "0"):
+            raise
+        _fail(err)
+
+
+def _phase(message: str) -> None:
+    """Say what starts now (a line in a log file too)."""
+    console.print(f"[dim]{message}...[/]", soft_wrap=True)
+
+
+def default_output(model: str | None, method: str, bits: int, act_bits: int, group_size: str) -> Path:
+    """out/NAME-METHOD-wBITSaACT-gGROUP, NAME the model's file or folder name (smollm2-135m by default)."""
+    name = Path(model).expanduser().resolve().stem if model else "smollm2-135m"
+    return Path("out") / f"{name}-{method}-w{bits}a{act_bits}-g{group_size}"
+
+
+def parse_group_size(requested: str) -> int:
+    try:
+        return int(requested)
+    except ValueError as err:
+        raise QuantizationError(f"--group-size must be an integer or auto, got {requested!r}") from err
 
 
 def resolve_group_size(model, adapter, requested: str) -> int:
@@ -43,10 +99,7 @@ def resolve_group_size(model, adapter, requested: str) -> int:
     layer = adapter.get_layers(model)[0]
     sizes = {layer.get_submodule(n).in_features for n in adapter.linear_names() if _has_module(layer, n)}
     if requested != "auto":
-        try:
-            group = int(requested)
-        except ValueError as err:
-            raise QuantizationError(f"group size must be an integer or auto, got {requested!r}") from err
+        group = parse_group_size(requested)
         if group in (32, 64, 128):
             for size in sorted(sizes):
                 check_group_size(size, group)
@@ -105,14 +158,13 @@ def quantize(
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="allow .bin pickle weights")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="show the full trace of an error (or QUANTKIT_DEBUG=1)")] = False,
     **method_options: Any,  # every registered method's options, as quantize_signature declares them
 ) -> None:
     """Calibrate and quantize MODEL, then write a checkpoint vLLM and transformers load."""
     _setup_logging(verbose)
-    try:
-        _quantize(**ctx.params)
-    except (QuantizationError, FileNotFoundError, ValueError) as err:
-        _fail(err)
+    options = {name: value for name, value in ctx.params.items() if name != "debug"}
+    _guarded(lambda: _quantize(**options), debug)
 
 
 _DECLARED = inspect.signature(quantize, eval_str=True)  # before quantize.__signature__ replaces it below
@@ -180,30 +232,45 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
     from quantkit.formats import get_format
     from quantkit.models import get_adapter, load_model
     from quantkit.models.loading import default_dtype
+    from quantkit.preflight import check_quantize_request, resolve_device
     from quantkit.quantizers.base import method_class
 
-    work_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    work_device = resolve_device(device)
     if nsamples is None:
         nsamples = default_nsamples(work_device)
     if output is None:
-        name = Path(model).stem if model else "smollm2-135m"
-        output = Path("out") / f"{name}-{method}-w{bits}a{act_bits}-g{group_size}"
-    if output.exists() and not overwrite:
-        raise QuantizationError(f"output folder {output} already exists (pass --overwrite to replace it)")
+        output = default_output(model, method, bits, act_bits, group_size)
+    options = method_class(method).options_class.from_dict(method_options)  # the chosen method's, by field name
+
+    def scheme(group: int) -> QuantConfig:
+        config = QuantConfig(method=method, bits=bits, group_size=group, sym=not asym, act_bits=act_bits,
+                             options=options).validate()
+        get_format(format).check(config)
+        return config
+
+    scheme(128 if group_size == "auto" else parse_group_size(group_size))  # the scheme, before any loading
+    check_quantize_request(source=model, calib=calib, output=output, overwrite=overwrite, nsamples=nsamples,
+                           seqlen=seqlen, batch_size=batch_size, eval_windows=eval_windows if evaluate else None,
+                           dtype=dtype, bits=bits)
+    _phase("reading the calibration text")
+    passages = load_passages(calib)
+    _phase(f"loading {model or 'the embedded default model'}")
     lm, tokenizer = load_model(model, dtype=default_dtype(work_device), trust_remote_code=trust_remote_code,
                                allow_pickle=allow_pickle)
     adapter = get_adapter(lm)
-    options = method_class(method).options_class.from_dict(method_options)  # the chosen method's, by field name
-    config = QuantConfig(method=method, bits=bits, group_size=resolve_group_size(lm, adapter, group_size),
-                         sym=not asym, act_bits=act_bits, options=options).validate()
-    get_format(format).check(config)
+    config = scheme(resolve_group_size(lm, adapter, group_size))
     console.print(f"[bold]{lm.config.model_type}[/] {config.method} W{config.bits}A{config.act_bits} "
                   f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format}, "
                   f"{nsamples} x {seqlen} calibration tokens on {work_device}")
-    calib_set = build_calibration_set(tokenizer, load_passages(calib), nsamples, seqlen, seed, chat_template)
+    calib_set = build_calibration_set(tokenizer, passages, nsamples, seqlen, seed, chat_template)
+    if evaluate:
+        _phase("held-out perplexity of the original model")
     before = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
     report = quantize_model(lm.cpu(), adapter, calib_set, config, device=work_device, batch_size=batch_size)
+    if evaluate:
+        _phase("held-out perplexity of the quantized model")
     after = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
+    _phase(f"exporting to {output}")
     out = export_checkpoint(lm.cpu(), tokenizer, output, config, format, report=report.to_dict(),
                             dtype=dtype, overwrite=overwrite)
     if report.fallbacks:
@@ -242,23 +309,38 @@ def evaluate_cmd(
     device: Annotated[str | None, typer.Option(help="cuda or cpu (default: cuda if available)")] = None,
     backend: Annotated[str, typer.Option(help="native or lm-eval")] = "native",
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="show the full trace of an error (or QUANTKIT_DEBUG=1)")] = False,
 ) -> None:
-    """Perplexity, task accuracy and generations of one or more models, side by side."""
+    """Perplexity, task accuracy and generations of one or more models, side by side.
+
+    Name the embedded default model (SmolLM2-135M-Instruct) `default`."""
     from quantkit.eval.runner import run_eval
+    from quantkit.preflight import check_eval_request, resolve_device
 
     _setup_logging(verbose)
-    try:
-        lengths = [int(k) for k in draft_tokens.split(",") if k.strip()] if speculative else None
-        batches = [int(b) for b in speed_batches.split(",") if b.strip()] if speed else None
+
+    def work() -> None:
+        lengths = _int_list("--draft-tokens", draft_tokens) if speculative else None
+        batches = _int_list("--speed-batches", speed_batches) if speed else None
         if batches is not None and (not batches or min(batches) < 1):
             raise ValueError(f"--speed-batches {speed_batches!r}: give batch sizes >= 1")
+        check_eval_request(models=models, texts=text, report_dir=report, json_path=json_path, seqlen=seqlen,
+                           max_windows=max_windows, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                           limit=limit, num_fewshot=num_fewshot)
         run_eval(models, texts=text, tasks=[t for t in tasks.split(",") if t], limit=limit,
                  num_fewshot=num_fewshot, generations=generations, report_dir=report, json_path=json_path,
-                 batch_size=batch_size, device=device, backend=backend, seqlen=seqlen, console=Console(),
+                 batch_size=batch_size, device=resolve_device(device), backend=backend, seqlen=seqlen, console=Console(),
                  max_windows=max_windows, max_new_tokens=max_new_tokens, draft_tokens=lengths,
                  speed_batches=batches, speed_compile="inductor" if speed_compile else None)
-    except (QuantizationError, FileNotFoundError, ValueError) as err:
-        _fail(err)
+
+    _guarded(work, debug)
+
+
+def _int_list(option: str, text: str) -> list[int]:
+    try:
+        return [int(k) for k in text.split(",") if k.strip()]
+    except ValueError as err:
+        raise QuantizationError(f"{option} {text!r}: give comma-separated integers, e.g. 1,2,4") from err
 
 
 def main() -> None:  # pragma: no cover - `python -m quantkit`

@@ -83,10 +83,11 @@ def _check_field(f: Field, value: Any) -> None:
     spec = option_spec(f)
     if value is None:
         return
+    name = f"{spec.flag_for(f.name, False).split('/')[0]} ({f.name})"  # the CLI flag and the Python field
     if spec.choices is not None and value not in spec.choices:
-        raise QuantizationError(f"{f.name} must be one of {spec.choices}, got {value!r}")
+        raise QuantizationError(f"{name} must be one of {spec.choices}, got {value!r}")
     if spec.minimum is not None and value < spec.minimum:
-        raise QuantizationError(f"{f.name} must be at least {spec.minimum:g}, got {value}")
+        raise QuantizationError(f"{name} must be at least {spec.minimum:g}, got {value}")
 
 
 Options = TypeVar("Options", bound=MethodOptions)

@@ -36,10 +36,18 @@ def default_heldout_texts() -> dict[str, Path]:
 
 
 def _read_passages(path: Path) -> list[str]:
-    if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        return [r["text"] if isinstance(r, dict) else str(r) for r in rows]
-    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        if path.suffix == ".jsonl":
+            rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            return [r["text"] if isinstance(r, dict) else str(r) for r in rows]
+        return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as err:
+        raise QuantizationError(f"{path} is not UTF-8 text (byte {err.start}): convert it to UTF-8") from err
+    except (json.JSONDecodeError, KeyError) as err:
+        raise QuantizationError(f"{path}: each line must be a JSON string or an object with a \"text\" field "
+                                f"({type(err).__name__}: {err})") from err
+    except OSError as err:
+        raise QuantizationError(f"{path} could not be read: {err.strerror or err}") from err
 
 
 def _hub_passages(name: str) -> list[str]:
@@ -49,11 +57,24 @@ def _hub_passages(name: str) -> list[str]:
     try:
         ds = datasets.load_dataset(repo, config, split=split)
     except Exception as err:  # offline, renamed, gated: the message matters more than the type
-        raise QuantizationError(f"could not load hub dataset {name!r} ({repo}): {err}") from err
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise QuantizationError(f"could not load hub dataset {name!r} ({repo}): {first_line}") from err
     return [t for t in ds[field] if t and t.strip()]
 
 
-def load_passages(source: str | Path | None) -> list[str]:
+def check_text_source(source: str | Path | None, option: str = "--calib") -> Path | None:
+    """The local file a text source names (None for the default set and hub datasets); a missing one is refused."""
+    if source is None or str(source) in ("default", *HUB_DATASETS):
+        return None
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise QuantizationError(
+            f"{option} {str(source)!r} is neither a file nor one of: default, {', '.join(HUB_DATASETS)}"
+        )
+    return path
+
+
+def load_passages(source: str | Path | None, option: str = "--calib") -> list[str]:
     """Text passages from the default set (None), a .txt/.jsonl file, or a hub dataset name.
 
     The default interleaves the shipped English and Korean calibration text 1:1.
@@ -62,19 +83,13 @@ def load_passages(source: str | Path | None) -> list[str]:
         en = _read_passages(shipped_file("calib_en.txt"))
         ko = _read_passages(shipped_file("calib_ko.txt"))
         return [p for pair in zip(en, ko, strict=False) for p in pair]
-    if str(source) in HUB_DATASETS:
-        return _hub_passages(str(source))
-    path = Path(source).expanduser()
-    if not path.is_file():
-        raise QuantizationError(
-            f"calibration source {str(source)!r} is neither a file nor one of: default, {', '.join(HUB_DATASETS)}"
-        )
-    return _read_passages(path)
+    path = check_text_source(source, option)
+    return _hub_passages(str(source)) if path is None else _read_passages(path)
 
 
 def load_text(source: str | Path) -> str:
     """One evaluation text (passages joined by blank lines)."""
-    return "\n\n".join(load_passages(source))
+    return "\n\n".join(load_passages(source, "--text"))
 
 
 @dataclass
@@ -105,7 +120,7 @@ def build_calibration_set(
     right-padded and its padding masked out.
     """
     if not passages:
-        raise QuantizationError("calibration data is empty")
+        raise QuantizationError("calibration data is empty: give a --calib file with text in it")
     order = list(range(len(passages)))
     random.Random(seed).shuffle(order)
     separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
@@ -127,8 +142,8 @@ def build_calibration_set(
     total = sum(map(len, samples))
     if not samples or total < min_tokens:
         raise QuantizationError(
-            f"calibration data too short: {total} tokens; need at least {min_tokens} (and ideally "
-            f"{nsamples} x {seqlen})"
+            f"calibration data too short: {total} tokens; need at least {min_tokens} "
+            f"(--nsamples {nsamples} x --seqlen {seqlen} asks for {nsamples * seqlen})"
         )
     if len(samples) < nsamples:
         log.warning("calibration text gave only %d of %d samples (%d tokens)", len(samples), nsamples, total)

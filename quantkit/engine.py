@@ -186,9 +186,11 @@ def quantize_model(
     report = QuantReport(config=config.to_dict(), calibration_tokens=calib.n_tokens)
     start = time.perf_counter()
     timer = _PhaseTimer(device, report.timings)
+    log.info("capturing the first layer's inputs (%d calibration samples)", len(calib))
     with timer("capture"):
         inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
     layers = adapter.get_layers(model)
+    layers_start = time.perf_counter()
     progress = Progress(TextColumn("[bold]quantizing {task.fields[method]}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("{task.fields[note]}"), disable=not show_progress)
     with progress:
@@ -221,10 +223,18 @@ def quantize_model(
                 layer.to("cpu")
             entry["seconds"] = time.perf_counter() - t0
             report.layers.append(entry)
-            progress.update(task, advance=1, note=f"{entry['seconds']:.1f}s/layer, {_memory_note(device)}")
+            note = f"{entry['seconds']:.1f}s/layer, ETA {_eta(layers_start, i + 1, len(layers))}, {_memory_note(device)}"
+            progress.update(task, advance=1, note=note)
+            if not progress.console.is_terminal:  # a log file: one line per layer instead of a bar
+                log.info("layer %d/%d quantized: %s", i + 1, len(layers), note)
     model.config.use_cache = True
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _eta(start: float, done: int, total: int) -> str:
+    seconds = (time.perf_counter() - start) / done * (total - done)
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
 
 def _has(layer: nn.Module, name: str) -> bool:

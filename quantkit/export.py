@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import errno
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -14,6 +13,8 @@ from torch import nn
 from quantkit.config import QuantConfig
 from quantkit.formats import get_format
 from quantkit.nn.qlinear import QuantLinear
+from quantkit.outputs import check_output_target, staged_output
+from quantkit.preflight import check_free_space
 from quantkit.qtensor import QuantizationError
 
 SHARD_BYTES = 4 * 2**30
@@ -87,35 +88,40 @@ def export_checkpoint(
     dtype: str = "auto",
     overwrite: bool = False,
 ) -> Path:
-    """Write to a temporary folder beside `output`, then rename: never a half-written checkpoint."""
+    """Write to a staging folder beside `output`, then move it in (quantkit.outputs): never a half-written
+    checkpoint, and `overwrite` replaces only a previous export or an empty folder."""
     fmt = get_format(fmt_name)
     fmt.check(config)
     output = Path(output).expanduser().resolve()
-    if output.exists() and not overwrite:
-        raise QuantizationError(f"output folder {output} already exists (pass --overwrite to replace it)")
+    check_output_target(output, overwrite)
     if not quantized_modules(model):
         raise QuantizationError("the model has no quantized layers to export")
     torch_dtype = export_dtype(model, dtype)
+    tensors = build_state_dict(model, fmt_name, torch_dtype)
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    check_free_space(output.parent, sum(v.numel() * v.element_size() for v in tensors.values()), "the export")
     try:
-        _write_shards(build_state_dict(model, fmt_name, torch_dtype), tmp)
-        hf_config = model.config.to_dict()
-        hf_config.pop("quantization_config", None)
-        hf_config["dtype"] = hf_config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
-        hf_config["use_cache"] = True
-        hf_config["quantization_config"] = fmt.quantization_config(config, ignored_modules=["lm_head"])
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        quantkit_meta = {"format": fmt_name, "quant_config": config.to_dict(), "report": report or {}}
-        (tmp / "quantkit.json").write_text(json.dumps(quantkit_meta, indent=2, default=str))
-        if output.exists():
-            shutil.rmtree(output)
-        tmp.rename(output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with staged_output(output) as folder:
+            _write_folder(model, tokenizer, tensors, folder, config, fmt_name, torch_dtype, report)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise QuantizationError(f"disk full while writing {output}; nothing was replaced: free space and rerun") from err
         raise
     return output
+
+
+def _write_folder(model: nn.Module, tokenizer, tensors: dict[str, torch.Tensor], folder: Path,
+                  config: QuantConfig, fmt_name: str, torch_dtype: torch.dtype, report: dict | None) -> None:
+    _write_shards(tensors, folder)
+    hf_config = model.config.to_dict()
+    hf_config.pop("quantization_config", None)
+    hf_config["dtype"] = hf_config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+    hf_config["use_cache"] = True
+    hf_config["quantization_config"] = get_format(fmt_name).quantization_config(config, ignored_modules=["lm_head"])
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    quantkit_meta = {"format": fmt_name, "quant_config": config.to_dict(), "report": report or {}}
+    (folder / "quantkit.json").write_text(json.dumps(quantkit_meta, indent=2, default=str))

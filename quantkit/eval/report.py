@@ -300,12 +300,15 @@ def write_json(results: dict, path: Path) -> Path:
     return path
 
 
+RESULTS_JSON = "results.json"
+
+
 def write_report(results: dict, report_dir: Path) -> dict[str, Path]:
-    """results.json, report.md and the plots in report_dir."""
-    report_dir.mkdir(parents=True, exist_ok=True)
+    """results.json (first: the plots need matplotlib and may fail), report.md and the plots in report_dir."""
+    written = {"json": write_json(results, report_dir / RESULTS_JSON)}
     plots = write_plots(results, report_dir)
     markdown = report_dir / "report.md"
     markdown.write_text(markdown_report(results, plots) + "\n", encoding="utf-8")
-    written = {"json": write_json(results, report_dir / "results.json"), "markdown": markdown}
+    written["markdown"] = markdown
     written.update({Path(p).stem: report_dir / p for p in plots})
     return written

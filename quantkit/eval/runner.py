@@ -18,6 +18,7 @@ from quantkit import __version__
 from quantkit.eval import lm_eval_backend, native, report, speculative, speed
 from quantkit.eval.generation import generate
 from quantkit.eval.tasks import Task, build_prompts, get_task
+from quantkit.qtensor import QuantizationError
 
 BACKENDS = ("native", "lm-eval")
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -113,6 +114,64 @@ def run_eval(
     (None: not compiled).
     """
     console = console or Console()
+    device = _resolve_device(device)
+    _check_request(models, backend, draft_tokens)
+    limits = task_limits(tasks, limit)
+    task_list = [get_task(name) for name in limits]
+    sources = _text_sources(texts)
+    wants_prompts = generations or draft_tokens is not None
+    prompt_list = (prompts if prompts is not None else load_prompts()) if wants_prompts else []
+    # task data is read (and a missing package reported) before any model is loaded
+    prepared = (
+        {t.name: build_prompts(t, limits[t.name], num_fewshot) for t in task_list} if backend == "native" else {}
+    )
+    config = {
+        "models": list(models),
+        "tasks": list(limits),
+        "limit": limit,
+        "limits": limits,
+        "num_fewshot": num_fewshot,
+        "backend": backend,
+        "texts": sources,
+        "seqlen": seqlen,
+        "max_windows": max_windows,
+        "batch_size": batch_size,
+        "device": device,
+        "generations": generations,
+        "max_new_tokens": max_new_tokens,
+        "draft_tokens": draft_tokens,
+        "speed_batches": speed_batches,
+        "speed_compile": speed_compile,
+        "versions": _versions(),
+    }
+    results = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "config": config,
+               "prompts": prompt_list, "models": []}
+
+    def keep(entries: list[dict]) -> None:  # each finished model's metrics are on disk before the next one loads
+        if json_path is not None:
+            report.write_json({**results, "models": entries}, Path(json_path))
+
+    results["models"] = _evaluate_all(loader or _default_loader(device), task_list, prepared, sources, prompt_list,
+                                      config, console, keep)
+    write_outputs(results, json_path, report_dir, console)
+    _print_tables(results, console)
+    return results
+
+
+def _evaluate_all(loader: Loader, task_list: list[Task], prepared: dict, sources: dict[str, str],
+                  prompt_list: list[str], config: dict, console: Console,
+                  keep: Callable[[list[dict]], None]) -> list[dict]:
+    entries: list[dict] = []
+    target = None
+    for name in config["models"]:
+        entry, target = _evaluate_model(name, loader, task_list, prepared, sources, prompt_list, config, console, target)
+        entry["label"] = _unique_label(entry["label"], [m["label"] for m in entries])
+        entries.append(entry)
+        keep(entries)
+    return entries
+
+
+def _check_request(models: list[str], backend: str, draft_tokens: list[int] | None) -> None:
     if not models:
         raise ValueError("give at least one model to evaluate")
     if backend not in BACKENDS:
@@ -121,60 +180,36 @@ def run_eval(
         lm_eval_backend.check_available()
     if draft_tokens is not None and (len(models) < 2 or not draft_tokens or min(draft_tokens) < 1):
         raise ValueError("speculative decoding needs a target and at least one draft model, and draft lengths >= 1")
-    limits = task_limits(tasks, limit)
-    task_list = [get_task(name) for name in limits]
-    sources = _text_sources(texts)
-    wants_prompts = generations or draft_tokens is not None
-    prompt_list = (prompts if prompts is not None else load_prompts()) if wants_prompts else []
-    device = _resolve_device(device)
-    prepared = (
-        {t.name: build_prompts(t, limits[t.name], num_fewshot) for t in task_list} if backend == "native" else {}
-    )
-    results = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config": {
-            "models": list(models),
-            "tasks": list(limits),
-            "limit": limit,
-            "limits": limits,
-            "num_fewshot": num_fewshot,
-            "backend": backend,
-            "texts": sources,
-            "seqlen": seqlen,
-            "max_windows": max_windows,
-            "batch_size": batch_size,
-            "device": device,
-            "generations": generations,
-            "max_new_tokens": max_new_tokens,
-            "draft_tokens": draft_tokens,
-            "speed_batches": speed_batches,
-            "speed_compile": speed_compile,
-            "versions": _versions(),
-        },
-        "prompts": prompt_list,
-        "models": [],
-    }
-    loader = loader or _default_loader(device)
-    target = None
-    for name in models:
-        entry, target = _evaluate_model(
-            name, loader, task_list, prepared, sources, prompt_list, results["config"], console, target
-        )
-        entry["label"] = _unique_label(entry["label"], [m["label"] for m in results["models"]])
-        results["models"].append(entry)
-    console.print(report.summary_table(results))
-    if draft_tokens is not None:
-        console.print(report.speculative_table(results))
-    if speed_batches is not None:
-        console.print(report.speed_table(results))
-    if generations:
-        console.print(report.generations_table(results))
-    if report_dir is not None:
-        written = report.write_report(results, Path(report_dir))
-        console.print(f"report: {written['markdown']}")
+
+
+def write_outputs(results: dict, json_path: Path | None, report_dir: Path | None, console: Console) -> None:
+    """The JSON first (nothing in it can fail but the disk), then the report: a failing report never loses
+    the metrics; its error says where they are."""
+    saved = []
     if json_path is not None:
-        report.write_json(results, Path(json_path))
-    return results
+        saved.append(report.write_json(results, Path(json_path)))
+        console.print(f"metrics: {saved[-1]}")
+    if report_dir is None:
+        return
+    try:
+        written = report.write_report(results, Path(report_dir))
+    except Exception as err:  # plotting can fail in many ways (a backend, a font, the disk): keep the metrics
+        saved.append(Path(report_dir) / report.RESULTS_JSON)
+        kept = ", ".join(str(path) for path in saved if path.is_file()) or "nowhere (rerun with --json FILE)"
+        raise QuantizationError(f"the report in {report_dir} failed ({type(err).__name__}: {err}); "
+                                f"the metrics are saved in {kept}") from err
+    console.print(f"report: {written['markdown']}")
+
+
+def _print_tables(results: dict, console: Console) -> None:
+    config = results["config"]
+    console.print(report.summary_table(results))
+    if config["draft_tokens"] is not None:
+        console.print(report.speculative_table(results))
+    if config["speed_batches"] is not None:
+        console.print(report.speed_table(results))
+    if config["generations"]:
+        console.print(report.generations_table(results))
 
 
 def _evaluate_model(
@@ -189,11 +224,12 @@ def _evaluate_model(
     target: speculative.TargetRun | None,
 ) -> tuple[dict, speculative.TargetRun | None]:
     """The model's entry, and the speculative-decoding target run (made from the first model, when asked for)."""
+    console.print(f"loading {name}...", soft_wrap=True)
     start = time.perf_counter()
     model, tokenizer, label = loader(name)
     model = _place(model, config["device"])
     entry = {"model": name, "label": label, "load_seconds": time.perf_counter() - start}
-    console.print(f"[bold]{label}[/bold] loaded in {entry['load_seconds']:.1f} s")
+    console.print(f"[bold]{label}[/bold] loaded in {entry['load_seconds']:.1f} s; evaluating")
     entry["tasks"] = {
         task.name: _run_task(model, tokenizer, task, prepared, config, console) for task in task_list
     }

@@ -43,12 +43,30 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.float32 if device == "cpu" else torch.bfloat16
 
 
-def _check_source(source: str) -> None:
+DEFAULT_MODEL_NAME = "default"  # how `quantkit eval` names the embedded default model
+
+
+def is_default_name(source: str | Path | None) -> bool:
+    """None, or "default" where no such local path exists."""
+    return source is None or (str(source) == DEFAULT_MODEL_NAME and not Path(source).exists())
+
+
+def check_model_source(source: str) -> None:
+    """A local path that exists, the embedded default, or something shaped like a hub name (org/model)."""
     path = Path(source).expanduser()
-    if path.exists():
+    if path.exists() or is_default_name(source):
         return
     if path.suffix == ".gguf" or source.startswith((".", "/", "~")) or not _HUB_NAME.match(source):
         raise QuantizationError(f"model path {source!r} does not exist (and is not a hub name like org/model)")
+
+
+def _load_failure(source: str, err: Exception) -> QuantizationError:
+    """One line for a model that is there but cannot be read (truncated weights, no network for a hub name)."""
+    detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+    if Path(source).expanduser().exists():
+        return QuantizationError(f"could not load the model in {source} (damaged or incomplete files?): {detail}")
+    return QuantizationError(f"could not load {source!r} from the Hugging Face hub (offline, or no such model?): "
+                             f"{detail}; give a local folder or .gguf file instead")
 
 
 def _refuse_pickle(folder: Path, allow_pickle: bool) -> None:
@@ -78,8 +96,20 @@ def load_model(
     allow_pickle: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load an unquantized model on the CPU. source None = the embedded default."""
-    source = str(default_model_path() if source is None else source)
-    _check_source(source)
+    source = str(default_model_path() if is_default_name(source) else source)
+    check_model_source(source)
+    try:
+        model = _from_pretrained(source, dtype, trust_remote_code, allow_pickle)
+        tokenizer = load_tokenizer(source, trust_remote_code)
+    except QuantizationError:
+        raise
+    except Exception as err:  # transformers/safetensors/hub errors: the type varies, the user needs one line
+        raise _load_failure(source, err) from err
+    model.eval()
+    return model, tokenizer
+
+
+def _from_pretrained(source: str, dtype: torch.dtype, trust_remote_code: bool, allow_pickle: bool) -> PreTrainedModel:
     path = Path(source).expanduser()
     if path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
@@ -92,15 +122,17 @@ def load_model(
             source, dtype=dtype, trust_remote_code=trust_remote_code,
             use_safetensors=None if allow_pickle else True,
         )
-    model.eval()
-    return model, load_tokenizer(source, trust_remote_code)
+    return model
 
 
 def is_quantkit_export(source: str | Path) -> bool:
     config = Path(source).expanduser() / "config.json"
     if not config.is_file():
         return False
-    return "quantization_config" in json.loads(config.read_text())
+    try:
+        return "quantization_config" in json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False  # a damaged config: loading it then fails with one clear line
 
 
 def load_for_eval(
@@ -114,9 +146,14 @@ def load_for_eval(
     from quantkit.reload import load_quantized
 
     dtype = dtype or default_dtype(device)
-    label = "default" if source is None else Path(str(source)).name or str(source)
-    if source is not None and is_quantkit_export(source):
-        model, tokenizer = load_quantized(source, dtype=dtype)
+    label = DEFAULT_MODEL_NAME if is_default_name(source) else Path(str(source)).name or str(source)
+    if not is_default_name(source) and is_quantkit_export(source):
+        try:
+            model, tokenizer = load_quantized(source, dtype=dtype)
+        except QuantizationError:
+            raise
+        except Exception as err:  # a damaged export: one line, as for any model
+            raise _load_failure(str(source), err) from err
     else:
         model, tokenizer = load_model(source, dtype=dtype)
     return model.to(device), tokenizer, label
