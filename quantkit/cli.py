@@ -9,7 +9,7 @@ import os
 import sys
 import typing
 from collections.abc import Callable
-from dataclasses import Field, fields
+from dataclasses import Field, dataclass, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -24,6 +24,7 @@ from quantkit.qtensor import QuantizationError
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Post-training 4-bit quantization of Hugging Face causal LMs.")
 console = Console(stderr=True)
+log = logging.getLogger("quantkit")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -170,31 +171,66 @@ def quantize(
 _DECLARED = inspect.signature(quantize, eval_str=True)  # before quantize.__signature__ replaces it below
 
 
-def _method_option_parameters() -> list[inspect.Parameter]:
-    """One keyword parameter per option field of the registered methods (a field several methods share, e.g.
-    GPTQ's inside QQQ's, once), its help prefixed with the methods that take it."""
-    from quantkit.config import option_spec
+@dataclass(frozen=True)
+class _DeclaredOption:
+    field: Field
+    annotation: Any
+    methods: tuple[str, ...]  # the registered methods that take it
+
+    @property
+    def flag(self) -> str:
+        from quantkit.config import option_spec
+
+        return option_spec(self.field).flag_for(self.field.name, self.annotation is bool)
+
+    @property
+    def default(self) -> Any:
+        from quantkit.config import option_spec
+
+        cli_default = option_spec(self.field).cli_default
+        return self.field.default if cli_default is None else cli_default
+
+
+def _declared_options() -> dict[str, _DeclaredOption]:
+    """Every option field of the registered methods, once (a field several methods share, e.g. GPTQ's inside
+    QQQ's, names all of them)."""
     from quantkit.quantizers.base import registered_methods
 
+    found: dict[str, tuple[Field, Any]] = {}
     users: dict[str, list[str]] = {}
-    declared: dict[str, tuple[Field, type]] = {}
     for name, method_cls in sorted(registered_methods().items()):
-        options_class = method_cls.options_class
-        types = typing.get_type_hints(options_class)
-        for f in fields(options_class):
-            declared.setdefault(f.name, (f, types[f.name]))
+        types = typing.get_type_hints(method_cls.options_class)
+        for f in fields(method_cls.options_class):
+            found.setdefault(f.name, (f, types[f.name]))
             users.setdefault(f.name, []).append(name)
+    return {name: _DeclaredOption(f, annotation, tuple(users[name])) for name, (f, annotation) in found.items()}
+
+
+def _method_option_parameters() -> list[inspect.Parameter]:
+    """One keyword parameter per declared option, its help prefixed with the methods that take it."""
+    from quantkit.config import option_spec
+
     parameters = []
-    for name, (f, annotation) in declared.items():
-        spec = option_spec(f)
-        if spec.choices is not None:
-            annotation = Literal[spec.choices]
-        flag = spec.flag_for(name, annotation is bool)
-        info = typer.Option(flag, help=f"{', '.join(users[name])}: {spec.help}")
-        default = f.default if spec.cli_default is None else spec.cli_default
-        parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+    for name, declared in _declared_options().items():
+        spec = option_spec(declared.field)
+        annotation = declared.annotation if spec.choices is None else Literal[spec.choices]
+        info = typer.Option(declared.flag, help=f"{', '.join(declared.methods)}: {spec.help}")
+        parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=declared.default,
                                             annotation=Annotated[annotation, info]))
     return parameters
+
+
+def check_method_options(method: str, given: dict[str, Any]) -> None:
+    """Every option's declared range, whichever method takes it (a bad value is a mistake either way); an option
+    set away from its default that the chosen method does not take is a warning, not silently dropped."""
+    from quantkit.config import check_option_value
+
+    for name, declared in _declared_options().items():
+        value = given.get(name, declared.default)
+        check_option_value(declared.field, value)
+        if method not in declared.methods and value != declared.default:
+            log.warning(f"{declared.flag.split('/')[0]} is an option of {', '.join(declared.methods)}: "
+                        f"--method {method} ignores it")
 
 
 def quantize_signature() -> inspect.Signature:
@@ -240,6 +276,7 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
         nsamples = default_nsamples(work_device)
     if output is None:
         output = default_output(model, method, bits, act_bits, group_size)
+    check_method_options(method, method_options)
     options = method_class(method).options_class.from_dict(method_options)  # the chosen method's, by field name
 
     def scheme(group: int) -> QuantConfig:

@@ -53,7 +53,7 @@ class MethodOptions:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_field(f, getattr(self, f.name))
+            check_option_value(f, getattr(self, f.name))
         self.check()
 
     def check(self) -> None:
@@ -79,15 +79,15 @@ class MethodOptions:
         return ""
 
 
-def _check_field(f: Field, value: Any) -> None:
+def check_option_value(f: Field, value: Any) -> None:
     spec = option_spec(f)
     if value is None:
         return
-    name = f"{spec.flag_for(f.name, False).split('/')[0]} ({f.name})"  # the CLI flag and the Python field
+    flag = f"({spec.flag_for(f.name, False).split('/')[0]})"  # the Python field, then the CLI flag
     if spec.choices is not None and value not in spec.choices:
-        raise QuantizationError(f"{name} must be one of {spec.choices}, got {value!r}")
+        raise QuantizationError(f"{f.name} must be one of {spec.choices}, got {value!r} {flag}")
     if spec.minimum is not None and value < spec.minimum:
-        raise QuantizationError(f"{name} must be at least {spec.minimum:g}, got {value}")
+        raise QuantizationError(f"{f.name} must be at least {spec.minimum:g}, got {value} {flag}")
 
 
 Options = TypeVar("Options", bound=MethodOptions)

@@ -66,15 +66,15 @@ def _one_line_error(make) -> str:
 
 
 @pytest.mark.parametrize("make,message", [
-    (lambda: GPTQOptions(damp_percent=0), "damp_percent must be in (0, 1), got 0"),
-    (lambda: GPTQOptions(damp_percent=1.5), "damp_percent must be in (0, 1), got 1.5"),
-    (lambda: GPTQOptions(block_size=0), "block_size must be at least 1, got 0"),
-    (lambda: QQQOptions(damp_percent=-1), "damp_percent must be in (0, 1), got -1"),  # GPTQ's check, inherited
-    (lambda: AWQOptions(grid=0), "grid must be at least 1, got 0"),
-    (lambda: QQQOptions(smooth_steps=0), "smooth_steps must be at least 1, got 0"),
-    (lambda: QQQOptions(smooth_samples=-2), "smooth_samples must be at least 1, got -2"),
-    (lambda: QQQOptions(smooth_search="golden"), "smooth_search must be one of ('refine', 'grid'), got 'golden'"),
-    (lambda: QuantConfig.from_dict({"method": "awq", "awq_grid": 0}), "grid must be at least 1, got 0"),
+    (lambda: GPTQOptions(damp_percent=0), "damp_percent must be in (0, 1), got 0 (--damp)"),
+    (lambda: GPTQOptions(damp_percent=1.5), "damp_percent must be in (0, 1), got 1.5 (--damp)"),
+    (lambda: GPTQOptions(block_size=0), "block_size must be at least 1, got 0 (--block-size)"),
+    (lambda: QQQOptions(damp_percent=-1), "damp_percent must be in (0, 1), got -1 (--damp)"),  # GPTQ's check, inherited
+    (lambda: AWQOptions(grid=0), "grid must be at least 1, got 0 (--awq-grid)"),
+    (lambda: QQQOptions(smooth_steps=0), "smooth_steps must be at least 1, got 0 (--smooth-steps)"),
+    (lambda: QQQOptions(smooth_samples=-2), "smooth_samples must be at least 1, got -2 (--smooth-samples)"),
+    (lambda: QQQOptions(smooth_search="golden"), "smooth_search must be one of ('refine', 'grid'), got 'golden' (--smooth-search)"),
+    (lambda: QuantConfig.from_dict({"method": "awq", "awq_grid": 0}), "grid must be at least 1, got 0 (--awq-grid)"),
     (lambda: QuantConfig(method="awq", options=GPTQOptions()), "method 'awq' takes AWQOptions, got GPTQOptions"),
     (lambda: QuantConfig(method="golden"), "unknown method 'golden'; available: awq, gptq, qqq, rtn"),
     (lambda: QuantConfig.from_dict({"method": "gptq", "act_ordr": True}), "unknown quant_config keys: act_ordr"),

@@ -56,7 +56,7 @@ class GPTQOptions(RTNOptions):
 
     def check(self) -> None:
         if not 0 < self.damp_percent < 1:
-            raise QuantizationError(f"damp_percent must be in (0, 1), got {self.damp_percent}")
+            raise QuantizationError(f"damp_percent must be in (0, 1), got {self.damp_percent} (--damp)")
 
     def label(self) -> str:
         return " act-order" if self.act_order else ""
