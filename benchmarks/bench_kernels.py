@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from quantkit.kernels import make_kernel_forward, swap_block, swap_weight_for
 from quantkit.kernels.autotune import GEMV_KERNELS, SWAP_LAYOUT_KERNELS, fits_swap_block
+from quantkit.kernels.layout import unpack_along_rows
 
 from quantkit.eval.speed import replay_seconds
-from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
+from quantkit.nn.qlinear import QuantLinear
 
 SHAPES = {  # name: (K, N)
     "8B qkv": (4096, 6144), "8B o": (4096, 4096), "8B gate_up": (4096, 28672), "8B down": (14336, 4096),

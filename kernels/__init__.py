@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from .layout import k_blocked, layout_shape, repack_for_swap, repack_for_w4a8_swap
+
 log = logging.getLogger(__name__)
 
 _OPS_REGISTERED = False
@@ -150,8 +152,8 @@ def decode_attention_for(device: torch.device, head_dim: int) -> Callable[..., t
 def swap_weight_for(layer: torch.nn.Module, symmetric: bool) -> torch.Tensor | None:
     """The swap kernels' copy of a layer's weight, on the scales' device, in K blocks of SWAP_BLOCK inputs (plain
     where K is no multiple of it), or None when the kernels cannot take the layer or QUANTKIT_SWAP_KERNEL=0."""
-    from .w4a8_swap import repack_for_w4a8_swap, w4a8_swap_supported
-    from .w4a16_swap import k_blocked, repack_for_swap, swap_supported
+    from .w4a8_swap import w4a8_swap_supported
+    from .w4a16_swap import swap_supported
 
     k, n, group = layer.in_features, layer.out_features, layer.group_size
     if os.environ.get("QUANTKIT_SWAP_KERNEL", "1") == "0":
@@ -184,8 +186,6 @@ def keeps_plain_copy(device: torch.device) -> bool:
 
 def swap_block(swap_weight: torch.Tensor | None, k: int) -> int | None:
     """The K block of a layer's swap-layout copy (K itself for the plain layout), None without one."""
-    from .w4a16_swap import layout_shape
-
     return None if swap_weight is None else layout_shape(swap_weight, k)[1]
 
 

@@ -32,63 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.nn.qlinear import unpack_along_rows
-
+from .layout import CHUNK, checked_layout
 from .w4a16 import _fp16x2, _interpreting, _store_output, split_buffers
 
-CHUNK = 64  # inputs per 16 int16 of a weight row: 4 nibble slices of 16 contiguous inputs each
 _CHUNK = tl.constexpr(CHUNK)
-
-
-def pack_nibble_slices(qweight: torch.Tensor, shifts: tuple[int, ...], dtype: torch.dtype, xor: int = 0,
-                       columns: int = 1024) -> torch.Tensor:
-    """QuantLinear's int32 [K/8, N] (nibble j of row r is input 8r + j) -> `dtype` [N, K / len(shifts)]
-    whose element (n, t) holds, at bit shifts[j], the code (xor `xor`) of input 64 (t // r) + r j + t % r with
-    r = 64 / len(shifts): slice j of a row is r contiguous inputs of each 64-input chunk. Done `columns`
-    outputs at a time: the int32 temporaries are ~12 bytes per weight of the chunk, which for a 70B layer at
-    once would be gigabytes of GPU memory."""
-    k, n, slices = qweight.shape[0] * 8, qweight.shape[1], len(shifts)
-    if k % CHUNK:
-        raise ValueError(f"the swap layout needs K a multiple of {CHUNK}, got {k}")
-    bits, run = 4 * slices, CHUNK // slices
-    out = torch.empty(n, k // slices, dtype=dtype, device=qweight.device)
-    for n0 in range(0, n, columns):
-        codes = unpack_along_rows(qweight[:, n0:n0 + columns], 4).to(torch.int32) ^ xor  # [K, cols]
-        by_slice = codes.t().reshape(-1, k // CHUNK, slices, run)  # input k = 64 c + r j + i -> [cols, c, j, i]
-        packed = sum(by_slice[:, :, j, :] << shift for j, shift in enumerate(shifts))  # [cols, c, i]
-        out[n0:n0 + columns] = torch.where(packed >= 2**(bits - 1), packed - 2**bits, packed).reshape(-1, k // slices)
-    return out
-
-
-def repack_for_swap(qweight: torch.Tensor, columns: int = 1024) -> torch.Tensor:
-    """QuantLinear's int32 [K/8, N] -> this kernel's int16 [N, K/4] (see module doc)."""
-    return pack_nibble_slices(qweight, (0, 4, 8, 12), torch.int16, columns=columns)
-
-
-def k_blocked(packed: torch.Tensor, k: int, block: int) -> torch.Tensor:
-    """A swap-layout weight [N, K / p] (p inputs per element) in K blocks of `block` inputs: [K / block * N,
-    block / p], block b of row n at row b N + n. A K tile of BLOCK_N rows inside one block is then one contiguous
-    run of memory (one DRAM page run) instead of BLOCK_N runs a weight row apart; the TMA kernels read either form
-    (`layout_shape`). The plain layout is the case block = K."""
-    n, width = packed.shape
-    if k % block or width * block % k:
-        raise ValueError(f"K {k} does not split into whole blocks of {block} inputs ({width} elements a row)")
-    blocks = k // block
-    return packed.view(n, blocks, width // blocks).transpose(0, 1).reshape(blocks * n, width // blocks)
-
-
-def layout_shape(packed: torch.Tensor, k: int) -> tuple[int, int]:
-    """(N, inputs per K block) of a 4-bit swap-layout weight, plain [N, K / p] or k_blocked (p = 2 inputs per byte)."""
-    per_element = 2 * packed.element_size()
-    return packed.numel() * per_element // k, packed.shape[1] * per_element
-
-
-def checked_layout(packed: torch.Tensor, k: int, block_k: int, kernel: str) -> int:
-    """N of a swap-layout weight whose K blocks hold whole K tiles of block_k inputs, else a ValueError."""
-    n, block = layout_shape(packed, k)
-    if block % block_k:
-        raise ValueError(f"{kernel}: K tile {block_k} does not fit the weight's K blocks of {block} inputs")
-    return n
 
 
 @triton.jit
@@ -98,17 +45,6 @@ def _block_start(col, W, N, TILE: tl.constexpr):
     Stated a multiple of TILE: else Triton cannot prove the rows' 16-byte alignment, and the tile's load leaves its
     cp.async pipeline (and goes through shared memory into the mma's operand)."""
     return tl.multiple_of(col // W * N * W + col % W, TILE)
-
-
-def swap_layout_codes(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse, for tests: int16 [N, K/4] -> codes [K, N] from the layout's definition, element by element."""
-    n, quarter = packed.shape
-    words = packed.to(torch.int32) & 0xFFFF
-    codes = torch.empty(quarter * 4, n, dtype=torch.int32, device=packed.device)
-    for t in range(quarter):
-        for j in range(4):
-            codes[CHUNK * (t // 16) + 16 * j + t % 16] = (words[:, t] >> (4 * j)) & 0xF
-    return codes
 
 
 def _slice_ptx(j: int, dtype: str) -> str:

@@ -29,9 +29,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from .layout import CHUNK, checked_layout
 from .w4a8 import dependent_launch_args, quantize_rows
 from .w4a16 import _interpreting, _store_output, split_buffers
-from .w4a16_swap import _CHUNK, CHUNK, _block_start, _swap_program, checked_layout, pack_nibble_slices
+from .w4a16_swap import _CHUNK, _block_start, _swap_program
 
 RUN = 32  # contiguous inputs per slice: int8 wgmma's K
 _RUN = tl.constexpr(RUN)
@@ -46,11 +47,6 @@ _HIGH_K = tl.constexpr("{\n.reg .b32 t, u;\nshr.b32 t, $1, 4;\nlop3.b32 u, t, 0x
                        + _TIMES_K)
 _LOW_K = tl.constexpr("{\n.reg .b32 t, u;\nlop3.b32 u, $1, 0x0F0F0F0F, 0x08080808, 0x6A;\n" + _TIMES_K)
 _K_CONSTRAINTS = tl.constexpr("=r,r" + ",r" * 8)
-
-
-def repack_for_w4a8_swap(qweight: torch.Tensor, columns: int = 1024) -> torch.Tensor:
-    """QuantLinear's int32 [K/8, N] -> this kernel's int8 [N, K/2] (see module doc)."""
-    return pack_nibble_slices(qweight, (4, 0), torch.int8, xor=8, columns=columns)
 
 
 @triton.jit

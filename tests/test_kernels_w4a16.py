@@ -9,9 +9,10 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are d
 import pytest
 import torch
 from quantkit.kernels.autotune import candidates, m_bucket
+from quantkit.kernels.layout import pack_along_rows
 from quantkit.kernels.w4a16 import dequantize, tile_counters, w4a16_matmul
 
-from quantkit.nn.qlinear import QuantLinear, pack_along_rows
+from quantkit.nn.qlinear import QuantLinear
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 

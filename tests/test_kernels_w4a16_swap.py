@@ -11,12 +11,15 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are d
 
 import pytest
 import torch
-from quantkit.kernels.w4a8_swap import repack_for_w4a8_swap
-from quantkit.kernels.w4a16_swap import (
+from quantkit.kernels.layout import (
     k_blocked,
     layout_shape,
     repack_for_swap,
+    repack_for_w4a8_swap,
     swap_layout_codes,
+    unpack_along_rows,
+)
+from quantkit.kernels.w4a16_swap import (
     swap_supported,
     w4a16_swap_gemv,
     w4a16_swap_matmul,
@@ -29,8 +32,6 @@ from test_kernels_w4a16 import (  # noqa: F401  (poisoned_outputs: a fixture)
     reference_w4a16,
     relative_error,
 )
-
-from quantkit.nn.qlinear import unpack_along_rows
 
 
 def test_k_blocked_layout_moves_every_element_to_its_block_row() -> None:

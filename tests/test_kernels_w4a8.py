@@ -9,10 +9,11 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are d
 
 import pytest
 import torch
+from quantkit.kernels.layout import unpack_along_rows
 from quantkit.kernels.w4a8 import int8_weight, quantize_rows, row_segments, w4a8_matmul
 from test_kernels_w4a16 import poisoned_outputs, random_layer, relative_error  # noqa: F401
 
-from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
+from quantkit.nn.qlinear import QuantLinear
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 

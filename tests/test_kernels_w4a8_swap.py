@@ -10,19 +10,22 @@ import pytest
 import torch
 from quantkit.kernels import SWAP_BLOCK, swap_weight_for
 from quantkit.kernels.autotune import candidates
+from quantkit.kernels.layout import (
+    k_blocked,
+    layout_shape,
+    repack_for_swap,
+    repack_for_w4a8_swap,
+    unpack_along_rows,
+)
 from quantkit.kernels.w4a8_swap import (
     _HIGH,
     _HIGH_K,
     _LOW,
     _LOW_K,
-    repack_for_w4a8_swap,
     w4a8_swap_matmul,
     w4a8_swap_supported,
 )
 from quantkit.kernels.w4a16_swap import (
-    k_blocked,
-    layout_shape,
-    repack_for_swap,
     w4a16_swap_gemv,
     w4a16_swap_matmul,
 )
@@ -30,7 +33,7 @@ from test_kernels_w4a8 import TOLERANCE, reference_w4a8
 from test_kernels_w4a16 import compile_for_sm90, poisoned_outputs, random_layer, relative_error  # noqa: F401
 from test_kernels_w4a16_swap import REGISTER_OPERAND_CHECK, run_ptx
 
-from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
+from quantkit.nn.qlinear import QuantLinear
 
 
 def layout_codes(packed: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from quantkit.config import QuantConfig
-from quantkit.nn.qlinear import pack_along_rows, unpack_along_rows
+from quantkit.kernels.layout import pack_along_rows, unpack_along_rows
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 
 

@@ -59,8 +59,8 @@ import torch
 from torch import nn
 
 from quantkit.config import QuantConfig
+from quantkit.kernels.layout import int8_tokens
 from quantkit.models.adapters import ArchAdapter, ScalingGroup
-from quantkit.nn.qlinear import int8_tokens
 from quantkit.qtensor import QuantizationError, QuantizedWeight, check_group_size, quantize_codes
 from quantkit.quantizers.base import LinearQuantizer, Method, register
 from quantkit.quantizers.gptq import GPTQQuantizer, gptq_quantize
