@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from .layout import k_blocked, layout_shape, repack_for_swap, repack_for_w4a8_swap
+from .spec import REFERENCE_KERNEL, TileConfig, decode_attention_rows
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def _register_ops() -> None:
                      plain: bool = True) -> torch.Tensor:
         n, k = qweight.shape[1], x.shape[1]
 
-        def run(cfg: dict) -> torch.Tensor:
+        def run(cfg: TileConfig) -> torch.Tensor:
             return w4a16_run(x, qweight, scales, zeros, bias, group_size, swap_weight, cfg)
 
         def reference() -> torch.Tensor:
@@ -51,7 +52,7 @@ def _register_ops() -> None:
                     group_size: int, swap_weight: torch.Tensor | None, plain: bool = True) -> torch.Tensor:
         n, k = qweight.shape[1], x.shape[1]
 
-        def run(cfg: dict) -> torch.Tensor:
+        def run(cfg: TileConfig) -> torch.Tensor:
             return w4a8_run(x, qweight, channel_scales, group_scales, zeros, bias, group_size, swap_weight, cfg)
 
         def reference() -> torch.Tensor:
@@ -66,50 +67,33 @@ def _register_ops() -> None:
 
 
 def w4a16_run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-              bias: torch.Tensor | None, group_size: int, swap_weight: torch.Tensor | None, cfg: dict) -> torch.Tensor:
-    """One W4A16 call with an explicit config: the swap kernel on its own weight layout, else w4a16.py's (or the
-    plain torch reference, the tuner's last resort)."""
+              bias: torch.Tensor | None, group_size: int, swap_weight: torch.Tensor | None, cfg: TileConfig
+              ) -> torch.Tensor:
+    """One W4A16 call with an explicit config: its registered kernel on the weight layout it reads (or the plain torch
+    reference, the tuner's last resort)."""
+    from . import registry
     from .reference import w4a16_reference
-    from .w4a16 import w4a16_matmul
-    from .w4a16_swap import w4a16_swap_gemv, w4a16_swap_matmul
 
-    if cfg["kernel"] == "reference":
+    if cfg.kernel == REFERENCE_KERNEL:
         return w4a16_reference(x, qweight, scales, zeros, bias, group_size)
-
-    if cfg["kernel"] == "wgmma":  # Gluon, Hopper only (imported here: older Tritons have no Gluon)
-        from .w4a16_wgmma import w4a16_wgmma_matmul
-
-        return w4a16_wgmma_matmul(x, swap_weight, scales, zeros, bias, group_size, cfg)
-    if cfg["kernel"] == "tma_gemv":  # Gluon, Hopper only
-        from .w4a16_tma_gemv import w4a16_tma_gemv
-
-        return w4a16_tma_gemv(x, swap_weight, scales, zeros, bias, group_size, cfg)
-    if cfg["kernel"] == "swap":
-        return w4a16_swap_matmul(x, swap_weight, scales, zeros, bias, group_size, cfg)
-    if cfg["kernel"] == "swap_gemv":
-        return w4a16_swap_gemv(x, swap_weight, scales, zeros, bias, group_size, cfg)
-    return w4a16_matmul(x, qweight, scales, zeros, bias, group_size, cfg)
+    spec = registry.kernel("w4a16", cfg.kernel)
+    weight = swap_weight if spec.layout == "swap" else qweight
+    return spec.launch(x, weight, scales, zeros, bias, group_size, cfg)
 
 
 def w4a8_run(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
              group_scales: torch.Tensor | None, zeros: torch.Tensor | None, bias: torch.Tensor | None,
-             group_size: int, swap_weight: torch.Tensor | None, cfg: dict) -> torch.Tensor:
-    """One W4A8 call with an explicit config: the swap kernel on its own weight layout, else w4a8.py's (or the
-    plain torch reference, the tuner's last resort)."""
+             group_size: int, swap_weight: torch.Tensor | None, cfg: TileConfig) -> torch.Tensor:
+    """One W4A8 call with an explicit config: its registered kernel on the weight layout it reads (or the plain torch
+    reference, the tuner's last resort)."""
+    from . import registry
     from .reference import w4a8_reference
-    from .w4a8 import w4a8_matmul
-    from .w4a8_swap import w4a8_swap_matmul
 
-    if cfg["kernel"] == "reference":
+    if cfg.kernel == REFERENCE_KERNEL:
         return w4a8_reference(x, qweight, channel_scales, group_scales, zeros, bias, group_size)
-
-    if cfg["kernel"] == "wgmma":  # Gluon, Hopper only
-        from .w4a8_wgmma import w4a8_wgmma_matmul
-
-        return w4a8_wgmma_matmul(x, swap_weight, channel_scales, group_scales, bias, group_size, cfg)
-    if cfg["kernel"] == "swap":
-        return w4a8_swap_matmul(x, swap_weight, channel_scales, group_scales, bias, group_size, cfg)
-    return w4a8_matmul(x, qweight, channel_scales, group_scales, zeros, bias, group_size, cfg)
+    spec = registry.kernel("w4a8", cfg.kernel)
+    weight = swap_weight if spec.layout == "swap" else qweight
+    return spec.launch(x, weight, channel_scales, group_scales, zeros, bias, group_size, cfg)
 
 
 # The K blocks of the layers' swap-layout copies (w4a16_swap.k_blocked), by activation bits. H200, every kernel on
@@ -121,18 +105,6 @@ def w4a8_run(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tenso
 SWAP_BLOCK = {16: 512, 8: 128}
 
 
-DECODE_ATTENTION_ROWS = 64  # query rows per kv head (group x tokens) the decode attention kernel takes at most
-
-
-def decode_attention_rows(head_dim: int) -> int:
-    """The most query rows per kv head the decode attention kernel takes at this head size; 0 where it takes none
-    (its tiles span the head: a power of two in [16, 256]). Heads of 256 take 32 rows: 64 spilled registers on
-    sm_90 with every tile and warp count tried (kernels/decode_attention.py: tile_shape)."""
-    if not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0):
-        return 0
-    return DECODE_ATTENTION_ROWS if head_dim <= 128 else DECODE_ATTENTION_ROWS // 2
-
-
 def decode_attention_for(device: torch.device, head_dim: int) -> Callable[..., torch.Tensor] | None:
     """The decode attention op (kernels/decode_attention.py; q [B, KVH, rows, D], caches, positions, scale, window)
     for a static-cache decoder on this device: on CUDA (on CPU only under TRITON_INTERPRET=1) with Triton and a head
@@ -141,8 +113,8 @@ def decode_attention_for(device: torch.device, head_dim: int) -> Callable[..., t
             or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")):
         return None
     try:
+        from .common import tile_counters
         from .decode_attention import decode_attention_op
-        from .w4a16 import tile_counters
     except ImportError:  # no Triton
         return None
     tile_counters(device)  # the split programs' counters, allocated now, never inside a CUDA-graph capture
@@ -235,7 +207,7 @@ def make_kernel_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
         return None
     _register_ops()
     from .autotune import hopper_gluon, swap_layout_serves
-    from .w4a16 import tile_counters
+    from .common import tile_counters
 
     device = layer.scales.device
     tile_counters(device)  # allocated now, never inside a CUDA-graph capture

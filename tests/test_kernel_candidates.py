@@ -25,7 +25,7 @@ EXPECTED = {
 
 
 def _configs(scheme: str, *args: object) -> list[dict]:
-    return [dict(c) for c in autotune.candidates(scheme, *args)]
+    return [c.as_dict() for c in autotune.candidates(scheme, *args)]
 
 
 def _grid() -> itertools.product:

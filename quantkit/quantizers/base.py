@@ -57,6 +57,7 @@ class Method(ABC):
         return {}
 
 
+# Filled by the built-in methods' modules, which the package's __init__ imports (Python runs it before this module)
 METHODS: dict[str, type[Method]] = {}
 
 
@@ -66,8 +67,6 @@ def register(cls: type[Method]) -> type[Method]:
 
 
 def get_method(config: QuantConfig) -> Method:
-    import quantkit.quantizers  # noqa: F401  (registers the built-in methods)
-
     if config.method not in METHODS:
         raise QuantizationError(f"unknown method {config.method!r}; available: {', '.join(sorted(METHODS))}")
     return METHODS[config.method](config)
