@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from .layout import k_blocked, layout_shape, repack_for_swap, repack_for_w4a8_swap
-from .spec import REFERENCE_KERNEL, TileConfig, decode_attention_rows
+from .spec import REFERENCE_KERNEL, TileConfig, decode_attention_rows, hopper_gluon
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,8 @@ def w4a8_run(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tenso
     return spec.launch(x, weight, channel_scales, group_scales, zeros, bias, group_size, cfg)
 
 
-# The K blocks of the layers' swap-layout copies (w4a16_swap.k_blocked), by activation bits. H200, every kernel on
-# the plain layout and on blocks of 128 / 256 / 512 inputs (benchmarks/kernels/log_k_blocked_ab*_2026-12-05.txt):
+# The K blocks of the layers' swap-layout copies (layout.k_blocked), by activation bits. H200, every kernel on the
+# plain layout and on blocks of 128 / 256 / 512 inputs:
 # the wgmma kernels' 128-input K tiles gained 2.5-6% on average at 16 tokens from blocks of 128 (W4A8 2-12%) and
 # ~0.4% from larger ones; the TMA gemv's 256-input tiles (which blocks of 128 cannot hold; its 128-input tiles lost
 # ~10% on the large shapes) gained up to 5% / 9% on 70B gate_up / down at one token from blocks of 512 (2-4% more
@@ -142,17 +142,15 @@ def swap_weight_for(layer: torch.nn.Module, symmetric: bool) -> torch.Tensor | N
 
 def keeps_plain_copy(device: torch.device) -> bool:
     """Whether a layer with a swap-layout copy keeps its plain K-packed weight on the GPU too (0.5 byte per weight
-    more), for the kernels that read that layout. Not on Hopper with Gluon (autotune.hopper_gluon: its wgmma kernels
+    more), for the kernels that read that layout. Not on Hopper with Gluon (spec.hopper_gluon: its wgmma kernels
     read the swap layout at any M), where the swap-layout kernels won every tuned cell but four (dequantize + cuBLAS:
-    8B o at 256 tokens, 8B qkv / gate_up and 70B gate_up at 1024, 0.72-0.83x;
-    kernels/results_w4a16_acc_once_2026-12-04.md): there the plain copy moves to host memory (for exports, state
+    8B o at 256 tokens, 8B qkv / gate_up and 70B gate_up at 1024, 0.72-0.83x):
+    there the plain copy moves to host memory (for exports, state
     dicts and the reference path) and the GPU holds one copy of the weight. QUANTKIT_PLAIN_COPY=1 keeps it on any
     device, QUANTKIT_PLAIN_COPY=0 moves it on any."""
     chosen = os.environ.get("QUANTKIT_PLAIN_COPY")
     if chosen is not None:
         return chosen != "0"
-    from .autotune import hopper_gluon
-
     return not hopper_gluon(device)
 
 
@@ -206,7 +204,7 @@ def make_kernel_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
         log.info("QuantLinear(%s) keeps the reference path: %s", layer.extra_repr(), reason)
         return None
     _register_ops()
-    from .autotune import hopper_gluon, swap_layout_serves
+    from .autotune import swap_layout_serves
     from .common import tile_counters
 
     device = layer.scales.device

@@ -11,7 +11,6 @@ an untuned bucket uses the default for it.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import registry
-from .spec import M_BUCKETS, REFERENCE_KERNEL, Problem, Scheme, TileConfig, fits_k, m_bucket
+from .spec import M_BUCKETS, REFERENCE_KERNEL, Problem, Scheme, TileConfig, fits_k, hopper_gluon, m_bucket
 
 log = logging.getLogger(__name__)
 
@@ -135,18 +134,6 @@ def swap_layout_serves(scheme: Scheme, n: int, k: int, group: int, hopper: bool,
                for m in (1, 2, 8, 16, 64, 256, 1024, 4096))
 
 
-@functools.cache
-def hopper_gluon(device: torch.device) -> bool:
-    """Whether the Gluon wgmma kernels can run here: an sm_90 GPU and a Triton with Gluon's Hopper module."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return False
-    try:
-        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 class TuningCache:
     """Tuned configs by key, loaded lazily from and written through to one JSON file."""
 
@@ -186,7 +173,7 @@ def cache_path() -> Path:
 _CACHE: TuningCache | None = None
 
 
-def _cache() -> TuningCache:
+def tuning_cache() -> TuningCache:
     global _CACHE
     if _CACHE is None or _CACHE.path != cache_path():
         _CACHE = TuningCache(cache_path())
@@ -279,7 +266,7 @@ def pick_config(scheme: Scheme, x: torch.Tensor, n: int, k: int, group: int, run
     if tuned:  # the cache first: every eager call of a layer comes here, the candidates are needed only to tune
         key = tuning_key(torch.cuda.get_device_name(x.device), scheme, x.dtype, n, k, group, m, zeros, two_level,
                          swap, swap_block, plain)
-        cached = _cache().get(key)
+        cached = tuning_cache().get(key)
         if cached is not None:
             return cached
     options = candidates(scheme, m, n, k, group, swap, hopper_gluon(x.device), x.dtype == torch.float16, swap_block,
@@ -296,5 +283,5 @@ def pick_config(scheme: Scheme, x: torch.Tensor, n: int, k: int, group: int, run
         times = _cold_times([lambda cfg=cfg: run(cfg) for cfg in options], x.device) if len(options) > 1 else [0.0]
         best = options[min(range(len(options)), key=times.__getitem__)]
     log.info("tuned %s: %s", key, best)
-    _cache().put(key, best)
+    tuning_cache().put(key, best)
     return best

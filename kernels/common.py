@@ -247,7 +247,7 @@ def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, sum_ptr, K, SEGMENT, BLOCK: 
 
 def row_segments(m: int, k: int) -> int:
     """Programs per row for a few tokens: one program quantizing a whole row is bound by its SM (M = 1, K = 14336:
-    5.6 us on an H200; 14 programs of 1024 inputs each: 2.2 us, log_quantize_segments_2026-12-04.txt), so rows are
+    5.6 us on an H200; 14 programs of 1024 inputs each: 2.2 us), so rows are
     cut into segments of at least 1024 inputs, up to about 256 programs (each reads its whole row for the max)."""
     return max(1, min(k // 1024, 256 // m))
 

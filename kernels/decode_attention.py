@@ -29,7 +29,7 @@ from .spec import decode_attention_rows
 
 BLOCK_L = 64  # cache slots per tile
 # One program per SM at most: on an H100 more splits lost everywhere (the last program reads every split's partial;
-# one token at position 8192: 21 / 27 / 36 / 56 us at 1 / 2 / 4 / 8 per SM; benchmarks/e2e/attention_h100_splits_*)
+# one token at position 8192: 21 / 27 / 36 / 56 us at 1 / 2 / 4 / 8 per SM)
 PROGRAMS_PER_SM = 1
 
 

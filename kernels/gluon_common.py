@@ -92,7 +92,7 @@ def start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K: gl.constexpr, STAGE
                    X_AFTER_PRIOR_GRID: gl.constexpr = False):
     """Program p takes the units (output tile, K split) p, p + programs, ..., its TMA ring running on across them
     (the next unit's tiles load during this one's last mmas and epilogue); launched with one program per unit:
-    persistent grids of 1 or 2 programs per SM measured no faster on the H200 (sweep_wgmma_persistent_2026-12-04).
+    persistent grids of 1 or 2 programs per SM measured no faster on the H200.
     -> (units, K tiles per unit, grid_n, grid_m, the ring's weight stages, x stages and barriers)."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -201,7 +201,7 @@ def unit_band(n: int, block_n: int, sm_count: int) -> int:
     outnumbers half the SMs: the programs running together (about two per SM) then span fewer than four token tiles,
     and with n fastest a weight larger than the L2 (8B / 70B gate_up) streams from DRAM once per token tile; in bands
     it is read once per band. Else 1 (n fastest): there the programs running together span several token tiles
-    already, and bands measured up to 9% slower (H200: benchmarks/kernels/log_ab_unit_bands_2026-12-04.txt)."""
+    already, and bands measured up to 9% slower on the H200."""
     return 8 if n // block_n > sm_count // 2 else 1
 
 

@@ -4,6 +4,7 @@ kernel files all import it, and it imports nothing of them."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
@@ -136,3 +137,15 @@ def decode_attention_rows(head_dim: int) -> int:
     if not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0):
         return 0
     return DECODE_ATTENTION_ROWS if head_dim <= 128 else DECODE_ATTENTION_ROWS // 2
+
+
+@functools.cache
+def hopper_gluon(device: torch.device) -> bool:
+    """Whether the Gluon wgmma kernels can run here: an sm_90 GPU and a Triton with Gluon's Hopper module."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    try:
+        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True

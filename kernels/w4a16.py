@@ -217,7 +217,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
     # loop, not a tensor axis): no layout conversion inside the K loop, one fp32 accumulator per word.
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     # Register prefetch: the next K tile's loads are issued before this tile's arithmetic (Triton pipelines
-    # only loops with a dot), so a tile is always in flight. H200: +4-12% at M = 1 (sweep_gemv_prefetch_*.md).
+    # only loops with a dot), so a tile is always in flight. H200: +4-12% at M = 1.
     words, s, z = gemv_weights(qw_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, n_mask, rows, ROWS, GROUP,
                                 BLOCK_K, HAS_ZEROS)
     if HALF2:

@@ -165,7 +165,7 @@ def _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k0, N, W, offs_n, u, run_fir
                      PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr, PTX: tl.constexpr, BLOCK_K: tl.constexpr):
     """One K tile's words [BN, GT, GW], group scales and zero points [BN, GT, 1] (fp32; per channel: unused
     here) and, for the PTX path, x's four fp16x2 slices [1, GT, GW] (fp16 pairs as int32)."""
-    # read once: first out of L2 (H200: +1-7% at M = 1 on every shape, sweep_swap_gemv_prefetch_2026-12-04.md)
+    # read once: first out of L2 (H200: +1-7% at M = 1 on every shape)
     words = tl.load(w_ptrs + block_start(k0 // 8, W, N, BLOCK_K // 8), eviction_policy="evict_first")
     if PER_CHANNEL:
         idx = offs_n[:, None, None]
@@ -231,8 +231,7 @@ def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     acc = tl.zeros((BLOCK_N, GT, GROUP_WORDS), dtype=tl.float32)
     # register prefetch, as the K-packed gemv: the next tile's loads go out before this tile's arithmetic. (A
     # cp.async ring instead, which Triton builds for this dot-free loop when tl.range asks for stages, was 10-25%
-    # slower at every depth on the H200: sweep_swap_gemv_stages_2026-12-04.md.)
-    # (Two tiles in flight, the second in its own registers, lost 4-13%: sweep_swap_gemv_prefetch_2026-12-04.md.)
+    # slower at every depth on the H200.) (Two tiles in flight, the second in its own registers, lost 4-13%.)
     words, s, z, x0, x1, x2, x3 = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, W, offs_n, u,
                                                    run_first, GROUP, PER_CHANNEL, HAS_ZEROS, PTX, BLOCK_K)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):

@@ -4,8 +4,8 @@ The Triton swap gemv (w4a16_swap.py) holds one prefetched K tile per program in 
 2.6-3.3 TB/s on the large shapes, against a copy roof of 4.25 TB/s. Here each program keeps STAGES K tiles of its
 weight rows in flight in shared memory (TMA bulk copies behind mbarriers, a ring over the program's contiguous range
 of K tiles; a stage is refilled as soon as every warp has read it), and its warps read a landed tile with 16-byte
-shared loads (H200: 5-15% faster on the 70B shapes at one token, 9-25% at two and four tokens; slower on small layers,
-benchmarks/kernels/log_ab_tma_gemv_2026-12-04.txt):
+shared loads (H200: 5-15% faster on the 70B shapes at one token, 9-25% at two and four tokens; slower on small
+layers):
 - the weight is the swap layout read as int32 words [N, K / 8] (w4a16_swap.py: word u of a row holds nibble slices
   j = 0..3 of two neighbouring int16, the inputs 64 (u // 8) + 16 j + 2 (u % 8) + {0, 1});
 - each thread takes 4 consecutive words of BLOCK_N / (rows per pass) rows; for each j, x's fp16 pairs of its 4 words

@@ -11,8 +11,7 @@ scale / 16). Two-level (QQQ, integer group multipliers k in 0..16, a K tile insi
 - tiles of 64 tokens or more: the slices are QQQ's int8 weights (q - 8) k, made by a multiply-add per four weights
   from the K tile's k of each row, and the accumulator runs over all of K as per channel;
 - fewer tokens: each K tile accumulates 16 (q - 8) x into its own int32 tile, drained (`wait_group 0`) and added as
-  (tile >> 4) k; cheaper there, where a slice's mma is small next to its dequantization (H200 A/B in
-  benchmarks/KERNELS.md).
+  (tile >> 4) k; cheaper there, where a slice's mma is small next to its dequantization (an H200 A/B).
 """
 
 from __future__ import annotations

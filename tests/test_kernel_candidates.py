@@ -9,7 +9,8 @@ import itertools
 import json
 
 import pytest
-from quantkit.kernels import autotune
+from quantkit.kernels import autotune, registry
+from quantkit.kernels.spec import M_BUCKETS, Problem, TileConfig
 
 TOKENS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 SHAPES = (  # (K, N): Llama-3 8B qkv / o / gate_up / down, 70B qkv / o / gate_up / down, then small and odd ones
@@ -57,3 +58,30 @@ def test_spot_checks() -> None:
     plain_gemv = _configs("w4a8", 1, 4096, 4096, 4096, False, False, False, None, True)
     assert len(plain_gemv) == 30 and plain_gemv[0] == dict(kernel="gemv_h2", BLOCK_M=1, BLOCK_N=64, BLOCK_K=256,
                                                            SPLIT_K=8, num_warps=4, num_stages=3)
+
+
+def test_the_preference_table_names_registered_kernels_and_covers_every_bucket() -> None:
+    names = {spec.name for spec in registry.KERNELS}
+    for row in autotune.PREFERENCES:
+        assert {entry.partition("[")[0] for entry in row.order} <= names, row
+    for swap, fp16, large, bucket in itertools.product(FLAGS, FLAGS, FLAGS, M_BUCKETS):
+        problem = Problem("w4a16", bucket, 8192 if large else 1024, 8192, 128)
+        assert autotune.preference(problem, swap, fp16) in autotune.PREFERENCES
+
+
+def test_dispatch_finds_each_registered_kernel_by_scheme_and_name() -> None:
+    assert len({(spec.scheme, spec.name) for spec in registry.KERNELS}) == len(registry.KERNELS)
+    for spec in registry.KERNELS:
+        assert registry.kernel(spec.scheme, spec.name) is spec
+    assert registry.kernel("w4a8", "gemv_h2").launch is not registry.kernel("w4a16", "gemv_h2").launch
+    with pytest.raises(ValueError, match="no w4a8 kernel 'gemm_h2'"):
+        registry.kernel("w4a8", "gemm_h2")
+    assert registry.SWAP_LAYOUT_KERNELS == {"swap", "swap_gemv", "tma_gemv", "wgmma"}
+
+
+def test_tile_configs_keep_the_tuning_caches_dict_form() -> None:
+    config = TileConfig("swap", 16, 128, 128, 4, 4, 4)
+    assert config.as_dict() == dict(kernel="swap", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, num_warps=4,
+                                    num_stages=4)
+    assert TileConfig.from_dict(config.as_dict()) == config
+    assert TileConfig("int_mm").as_dict() == {"kernel": "int_mm"}

@@ -5,8 +5,6 @@ pipeline it exists for, and the tuner and shape rules."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from quantkit.kernels.autotune import candidates
@@ -49,28 +47,6 @@ def test_tma_gemv_compiles_to_a_tma_ring_and_vector_loads_for_sm90() -> None:
     16-byte loads, the half2 word dots are assembled, nothing spills; g128 / per channel, zero points, split K; under
     PDL the weight ring starts before the wait for x."""
     compile_for_sm90(TMA_GEMV_COMPILE)
-
-
-RING_COPY_COMPILE = """
-import sys
-sys.path.insert(0, {benchmarks!r})
-from quantkit.kernels.sm90 import _compile
-from quantkit.kernels.w4a16_tma_gemv import WORDS_SMEM_LAYOUT
-from tma_ring_ceiling import _ring_copy_kernel
-
-for bn, bk, warps, stages in [(128, 256, 4, 2), (64, 256, 4, 3)]:
-    sig = {{"w_desc": f"tensordesc<i32[{{bn}}, {{bk // 8}}],{{WORDS_SMEM_LAYOUT!r}}>", "out_ptr": "*i32"}}
-    ptx = _compile(_ring_copy_kernel, sig, dict(STAGES=stages, num_warps=warps))
-    assert ptx.count("cp.async.bulk.tensor.2d") == stages + 1 and "mbarrier.try_wait" in ptx, "not the gemv's ring"
-    assert "fma" not in ptx and "lop3" not in ptx  # no dot arithmetic: the words are only XORed
-print("compiled")
-"""
-
-
-def test_the_ring_copy_diagnostic_compiles_to_the_gemvs_ring() -> None:
-    """benchmarks/tma_ring_ceiling.py's copy kernel (the gemv's ring without its arithmetic, timed on the GPU as its
-    memory ceiling) still compiles for sm_90 against the gemv's helpers."""
-    compile_for_sm90(RING_COPY_COMPILE.format(benchmarks=str(Path(__file__).resolve().parents[1] / "benchmarks")))
 
 
 def test_tma_gemv_is_a_candidate_for_fp16_decode_on_hopper_only() -> None:

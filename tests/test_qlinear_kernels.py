@@ -7,6 +7,7 @@ from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are decorated at import
 
+import json
 import logging
 
 import pytest
@@ -105,8 +106,9 @@ def test_two_level_overflow_falls_back(caplog):
 
 def test_tuning_cache_round_trip_and_defaults(tmp_path, monkeypatch):
     cache = TuningCache(tmp_path / "sub" / "tuning.json")
-    cache.put("a|b", {"kernel": "gemv", "BLOCK_N": 64})
-    assert TuningCache(cache.path).get("a|b") == {"kernel": "gemv", "BLOCK_N": 64}
+    cache.put("a|b", TileConfig("gemv", block_n=64))
+    assert TuningCache(cache.path).get("a|b") == TileConfig("gemv", block_n=64)
+    assert json.loads(cache.path.read_text()) == {"a|b": {"kernel": "gemv", "BLOCK_N": 64}}  # the file's form
     monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("QUANTKIT_AUTOTUNE", "0")
     x = torch.randn(3, 256)
@@ -160,7 +162,7 @@ def test_tuner_picks_the_fastest_candidate_timed_cold(tmp_path, monkeypatch):
     assert flushed == [96]
     stale_key = autotune.tuning_key("fake-gpu", "w4a16", x.dtype, 512, 256, 128, 3, False, None, False)
     stale_key = stale_key.replace(f"v{autotune.TUNING_VERSION}|", f"v{autotune.TUNING_VERSION - 1}|")
-    autotune._cache().put(stale_key, TileConfig("from an earlier version"))  # never read back
+    autotune.tuning_cache().put(stale_key, TileConfig("from an earlier version"))  # never read back
     assert pick_config("w4a16", x, 512, 256, 128, run) == options[2]
     ran.clear()
     assert pick_config("w4a16", x, 512, 256, 128, run) == options[2] and ran == []  # from the cache
