@@ -24,7 +24,7 @@ MAGIC_F32 = tl.constexpr(8388608.0)  # 2**23: OR-ing an integer below 2**23 into
 
 @triton.jit
 def group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS: tl.constexpr, GROUP: tl.constexpr,
-                BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr, WORD_LAYOUT: tl.constexpr = False):
+               BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr, WORD_LAYOUT: tl.constexpr = False):
     """Scale and zero point (fp32) for the 8-input rows k0 + 8r of a K tile: [1, BN] if one group spans the
     tile, else [ROWS, BN] (groups are multiples of 8, so a packed row never straddles two groups).
     WORD_LAYOUT: always [ROWS, BN], the int32 word tile's shape, so the compiler gives both loads one register
@@ -46,7 +46,7 @@ def group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS: tl.constexpr, GROUP: t
 
 @triton.jit
 def store_output(acc, out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, tile, n_splits,
-                  IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """acc [BM, BN] fp32 -> the output tile (bias added, cast). Split K: each program writes its fp32 partial
     and counts itself in at the tile's counter; the last to arrive sums the partials in split order
     (deterministic, the same sum as a separate reduce kernel, without its launch) and resets the counter."""
@@ -146,7 +146,7 @@ def gemv_program(N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def gemv_weights(qw_ptr, s_ptr, z_ptr, k0, N, offs_n, n_mask, rows, ROWS: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr):
+                 BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr):
     """A gemv K tile's packed words and their scales and zero points, each [ROWS, BLOCK_N]."""
     s, z = group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS, True)
     return gemv_words(qw_ptr, k0, N, offs_n, n_mask, rows), s, z

@@ -89,7 +89,7 @@ def _start_ring(w_desc, x_desc, off_n, off_m, pid_k, N, SPLIT_K, BLOCK_K: gl.con
 
 @gluon.jit
 def start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, BAND: gl.constexpr,
-                   X_AFTER_PRIOR_GRID: gl.constexpr = False):
+                  X_AFTER_PRIOR_GRID: gl.constexpr = False):
     """Program p takes the units (output tile, K split) p, p + programs, ..., its TMA ring running on across them
     (the next unit's tiles load during this one's last mmas and epilogue); launched with one program per unit:
     persistent grids of 1 or 2 programs per SM measured no faster on the H200.
@@ -130,8 +130,8 @@ def tile_ahead(kt, ahead: gl.constexpr, tiles, here, there):
 
 @gluon.jit
 def store_tile(acc, out_ptr, part_ptr, count_ptr, bias_ptr, row_scale_ptr, col_scale_ptr, M, N, off_n, off_m, pid_k,
-                out_tile, SPLIT_K, factor, IS_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, ROW_SCALE: gl.constexpr,
-                COL_SCALE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+               out_tile, SPLIT_K, factor, IS_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, ROW_SCALE: gl.constexpr,
+               COL_SCALE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
     """acc [BLOCK_N, BLOCK_M] (out^T) -> out [M, N]: times factor and the row (weight row) / column (token) scales
     if asked, split-K partials summed by the tile's last program in split order, bias, cast."""
     # n fastest: coalesced. From 64 tokens, 8 consecutive n per thread and warps along m: one address per 8 outputs

@@ -162,7 +162,7 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
                         mask=n_mask[None, :], other=0)
         if SLICED:
             s, z = group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS,
-                               BLOCK_K > GROUP)
+                              BLOCK_K > GROUP)
             acc += _sliced_tile(x_ptr, words, s, z, offs_m, m_mask, k0, K, ROWS, BLOCK_K <= GROUP, UPCAST_DOT,
                                 HALF2, HAS_ZEROS)
         else:
@@ -175,7 +175,7 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
             else:
                 acc = tl.dot(x, w, acc)
     store_output(acc, out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid, SPLIT_K,
-                  SPLIT_K > 1, HAS_BIAS)
+                 SPLIT_K > 1, HAS_BIAS)
 
 
 # x words (pairs 8r+2p, 8r+2p+1, p < 4) -> the pairs (x[8r+j], x[8r+j+4]) that lop3 of nibbles j, j+4 meets,
@@ -219,13 +219,13 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
     # Register prefetch: the next K tile's loads are issued before this tile's arithmetic (Triton pipelines
     # only loops with a dot), so a tile is always in flight. H200: +4-12% at M = 1.
     words, s, z = gemv_weights(qw_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, n_mask, rows, ROWS, GROUP,
-                                BLOCK_K, HAS_ZEROS)
+                               BLOCK_K, HAS_ZEROS)
     if HALF2:
         p0, p1, p2, p3 = _fp16_x_pairs(x_ptr, m * K + pid_k * BLOCK_K, rows)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0, k_next = t * BLOCK_K, tl.minimum(t + SPLIT_K, last) * BLOCK_K  # the last tile re-reads itself
         words_next, s_next, z_next = gemv_weights(qw_ptr, s_ptr, z_ptr, k_next, N, offs_n, n_mask, rows, ROWS,
-                                                   GROUP, BLOCK_K, HAS_ZEROS)
+                                                  GROUP, BLOCK_K, HAS_ZEROS)
         if HALF2:
             q0, q1, q2, q3 = _fp16_x_pairs(x_ptr, m * K + k_next, rows)
             acc += half2_word_dots(p0, p1, p2, p3, words, z, s, HAS_ZEROS, False) * s
@@ -242,7 +242,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
         words, s, z = words_next, s_next, z_next
     out = tl.sum(acc, axis=0) * (64.0 if HALF2 else 1.0)
     store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
-                  tile, SPLIT_K, IS_SPLIT, HAS_BIAS)
+                 tile, SPLIT_K, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit

@@ -117,7 +117,7 @@ def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
             acc += (8.0 - tl.load(z_ptr + offs_n).to(tl.float32))[:, None] * tl.sum(x_run, axis=0)[None, :]
         acc *= tl.load(s_ptr + offs_n).to(tl.float32)[:, None]
     store_output(tl.trans(acc), out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid,
-                  SPLIT_K, SPLIT_K > 1, HAS_BIAS)
+                 SPLIT_K, SPLIT_K > 1, HAS_BIAS)
 
 
 def swap_supported(k: int, n: int, group_size: int) -> bool:
@@ -245,7 +245,7 @@ def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     if PER_CHANNEL:
         out *= tl.load(s_ptr + offs_n).to(tl.float32)
     store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
-                  m * tl.num_programs(1) + pid_n, SPLIT_K, IS_SPLIT, HAS_BIAS)
+                 m * tl.num_programs(1) + pid_n, SPLIT_K, IS_SPLIT, HAS_BIAS)
 
 
 def swap_gemv_fits(k: int, n: int, group_size: int, block_n: int, block_k: int) -> bool:

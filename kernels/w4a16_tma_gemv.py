@@ -160,7 +160,7 @@ def _w4a16_tma_gemv_kernel(w_desc, x_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     _ring_end(bars, STAGES)
     out = gl.expand_dims(gl.sum(acc, axis=1), 1)  # [BLOCK_N, 1]: out^T of one token, divided by 64 (the PTX's)
     store_tile(out, out_ptr, part_ptr, count_ptr, bias_ptr, s_ptr, s_ptr, M, N, off_n, m, pid_k,
-                m * grid_n + pid_n, SPLIT_K, 64.0, IS_SPLIT, HAS_BIAS, PER_CHANNEL, False, BLOCK_N, 1, num_warps)
+               m * grid_n + pid_n, SPLIT_K, 64.0, IS_SPLIT, HAS_BIAS, PER_CHANNEL, False, BLOCK_N, 1, num_warps)
 
 
 def tma_gemv_fits(k: int, n: int, group_size: int, block_n: int, block_k: int, split: int) -> bool:

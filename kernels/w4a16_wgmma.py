@@ -129,12 +129,12 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
                             cta_barrier()
                         n_, m_, k_, kt_ = tile_ahead(kt, STAGES - 1, tiles, (off_n, off_m, pid_k), (nxt_n, nxt_m, nxt_k))
                         issue_tile(w_desc, x_desc, w_smem, x_smem, bars, (f + STAGES - 1) % STAGES, n_, m_,
-                                    (k_ + kt_ * SPLIT_K) * BLOCK_K, N, more | (kt + STAGES - 1 < tiles), CHUNKS)
+                                   (k_ + kt_ * SPLIT_K) * BLOCK_K, N, more | (kt + STAGES - 1 < tiles), CHUNKS)
             s, zc = s_next, zc_next
             f += 1
         acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
         store_tile(acc, out_ptr, part_ptr, count_ptr, bias_ptr, s_ptr, s_ptr, M, N, off_n, off_m, pid_k, out_tile,
-                    SPLIT_K, 1.0, IS_SPLIT, HAS_BIAS, PER_CHANNEL, False, BLOCK_N, BLOCK_M, num_warps)
+                   SPLIT_K, 1.0, IS_SPLIT, HAS_BIAS, PER_CHANNEL, False, BLOCK_N, BLOCK_M, num_warps)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 

@@ -115,7 +115,7 @@ def _w4a8_gemm_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, b
     cs = tl.load(cs_ptr + offs_n, mask=n_mask, other=0.0)
     out = acc.to(tl.float32) * ts[:, None] * cs[None, :]
     store_output(out, out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid, SPLIT_K,
-                  SPLIT_K > 1, HAS_BIAS)
+                 SPLIT_K > 1, HAS_BIAS)
 
 
 @triton.jit
@@ -139,18 +139,18 @@ def _w4a8_gemv_kernel(xq_ptr, ts_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, o
     # per channel (GROUP = K): one zero point for all of K, scale in the epilogue; two-level: the group scales
     # per tile. Register prefetch of the next K tile's weights and scales, as in w4a16's gemv.
     words, s, z = gemv_weights(qw_ptr, gs_ptr if TWO_LEVEL else cs_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, n_mask,
-                                rows, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
+                               rows, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0, k_next = t * BLOCK_K, tl.minimum(t + SPLIT_K, last) * BLOCK_K  # the last tile re-reads itself
         words_next = gemv_words(qw_ptr, k_next, N, offs_n, n_mask, rows)  # per channel: s, z stay
         if TWO_LEVEL:
             s_next, z_next = group_rows(gs_ptr, z_ptr, k_next, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS,
-                                         True)
+                                        True)
         x_offs = m * K + k0 + 8 * rows
         if HALF2:
             acc += half2_word_dots(_fp16_pair(xq_ptr, x_offs, 0), _fp16_pair(xq_ptr, x_offs, 1),
-                                    _fp16_pair(xq_ptr, x_offs, 2), _fp16_pair(xq_ptr, x_offs, 3), words, z, s,
-                                    HAS_ZEROS, TWO_LEVEL)
+                                   _fp16_pair(xq_ptr, x_offs, 2), _fp16_pair(xq_ptr, x_offs, 3), words, z, s,
+                                   HAS_ZEROS, TWO_LEVEL)
         else:
             for j in tl.static_range(8):
                 x = tl.load(xq_ptr + x_offs + j).to(tl.float32)
@@ -163,7 +163,7 @@ def _w4a8_gemv_kernel(xq_ptr, ts_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, o
             s, z = s_next, z_next
     out = tl.sum(acc, axis=0) * tl.load(ts_ptr + m) * tl.load(cs_ptr + offs_n, mask=n_mask, other=0.0)
     store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
-                  tile, SPLIT_K, IS_SPLIT, HAS_BIAS)
+                 tile, SPLIT_K, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit

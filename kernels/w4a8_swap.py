@@ -103,7 +103,7 @@ def _w4a8_swap_kernel(xq_ptr, ts_ptr, b_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, 
     out = acc.to(tl.float32) * tl.load(cs_ptr + offs_n)[:, None]
     out *= tl.load(ts_ptr + offs_m, mask=offs_m < M, other=0.0)[None, :] * (1.0 if TWO_LEVEL else 0.0625)
     store_output(tl.trans(out), out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid,
-                  SPLIT_K, SPLIT_K > 1, HAS_BIAS)
+                 SPLIT_K, SPLIT_K > 1, HAS_BIAS)
 
 
 def w4a8_swap_supported(k: int, n: int, group_size: int, symmetric: bool,

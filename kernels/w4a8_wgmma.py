@@ -121,7 +121,7 @@ def _w4a8_wgmma_kernel(x_desc, w_desc, ts_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr
                             cta_barrier()
                         n_, m_, k_, kt_ = tile_ahead(kt, STAGES - 1, tiles, (off_n, off_m, pid_k), (nxt_n, nxt_m, nxt_k))
                         issue_tile(w_desc, x_desc, w_smem, x_smem, bars, (f + STAGES - 1) % STAGES, n_, m_,
-                                    (k_ + kt_ * SPLIT_K) * BLOCK_K, N, more | (kt + STAGES - 1 < tiles), CHUNKS)
+                                   (k_ + kt_ * SPLIT_K) * BLOCK_K, N, more | (kt + STAGES - 1 < tiles), CHUNKS)
             if DRAIN:  # 16 (q - 8) . x is divisible by 16: shifted back exactly, times the group's multiplier
                 tile = warpgroup_mma_wait(num_outstanding=0, deps=(tile,))
                 acc += (tile >> 4) * k
@@ -129,8 +129,8 @@ def _w4a8_wgmma_kernel(x_desc, w_desc, ts_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr
         if not DRAIN:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         store_tile(acc, out_ptr, part_ptr, count_ptr, bias_ptr, cs_ptr, ts_ptr, M, N, off_n, off_m, pid_k, out_tile,
-                    SPLIT_K, 1.0 if TWO_LEVEL else 0.0625, IS_SPLIT, HAS_BIAS, True, True, BLOCK_N, BLOCK_M,
-                    num_warps)
+                   SPLIT_K, 1.0 if TWO_LEVEL else 0.0625, IS_SPLIT, HAS_BIAS, True, True, BLOCK_N, BLOCK_M,
+                   num_warps)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
