@@ -5,6 +5,13 @@ or None with the reason logged when the layer's shape or scheme has no kernel. T
 custom ops torch.ops.quantkit.w4a16_linear / w4a8_linear, so torch.compile treats them as opaque calls and
 CUDA graphs capture their launches (no host syncs; per-call allocations only through PyTorch's allocator).
 Triton is imported lazily: importing this package never needs it.
+
+The package, from the ground up (a module imports only those above it; the house test checks it):
+  layout.py        weight and activation layouts (nibble packing, swap layouts, int8 tokens): torch only
+  spec.py          TileConfig, Problem, KernelSpec, the split heuristics: plain Python
+  common.py        the Triton kernels' shared helpers; gluon_common.py the Gluon (Hopper) ones
+  w4a16*.py, w4a8*.py  one kernel family each, declaring its KernelSpecs (SPECS); none imports another
+  registry.py      every kernel's spec, the one list; autotune.py the tuner's candidates and cache over it
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The typed records of the kernel registry (kernels/registry.py): a tile config, the problem a kernel is asked to
-solve, and the KernelSpec each kernel file declares. Plain Python (no Triton): the tuner, the dispatch and the
-kernel files all import it, and it imports nothing of them."""
+solve, and the KernelSpec each kernel file declares; with them the facts of where kernels run that need no Triton
+(hopper_gluon, decode_attention_rows). Plain Python: the package, the tuner, the dispatch and the kernel files all
+import it, and it imports nothing of them."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ layers):
   one fma to (q - z) / 64, half2 fmas with x, fp32 out); the 4 words of a thread share a group (64-input chunks lie
   in one group, group >= 64), so a thread's group scale multiplies their sum once.
 Split K over contiguous ranges of K tiles (longer DRAM runs per row than interleaved tiles); the partials are summed
-by the tile's last program in split order (w4a16_wgmma._store_tile, deterministic). fp16 only: bf16 has no mantissa
+by the tile's last program in split order (gluon_common.store_tile, deterministic). fp16 only: bf16 has no mantissa
 room for the odd nibble's 16 q (the Triton swap gemv serves bf16).
 
 Gluon has no CPU interpreter: the tests check the sm_90 compile; results against float64 are checked on the GPU
@@ -134,7 +134,7 @@ def _w4a16_tma_gemv_kernel(w_desc, x_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     x32_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + m * (K // 2)
 
     ring, bars = _ring_start(w_desc, off_n, first_tile, tiles, N, STAGES)
-    if PDL:  # launched early (w4a8.dependent_launch): the weight is in flight, x is the kernel before's to write
+    if PDL:  # launched early (common.dependent_launch): the weight is in flight, x is the kernel before's to write
         wait_for_prior_grid()
 
     x0, x1, x2, x3, s, z = _tile_params(x32_ptr, s_ptr, z_ptr, first_tile, N, rows, quads, lanes, GROUP, KW,

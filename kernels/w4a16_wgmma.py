@@ -88,7 +88,7 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
 
-    # PDL (w4a8.dependent_launch): the ring's first weight tiles load before waiting for the kernel that writes x
+    # PDL (common.dependent_launch): the ring's first weight tiles load before waiting for the kernel that writes x
     units, tiles, grid_n, grid_m, w_smem, x_smem, bars = start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K,
                                                                          STAGES, BAND, PDL)
     pid, programs = gl.program_id(0), gl.num_programs(0)

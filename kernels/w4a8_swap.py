@@ -1,7 +1,7 @@
 """W4A8 GEMM on Hopper: out^T = W x_int8^T on int8 wgmma, with the int4 weight as the register operand.
 
 The W4A8 sibling of w4a16_swap.py (read its doc first): the weight fills wgmma's 64-row side from registers,
-the per-token int8 activations (w4a8.quantize_rows) its N side from shared memory, both cp.async-pipelined.
+the per-token int8 activations (common.quantize_rows) its N side from shared memory, both cp.async-pipelined.
 Int8 wgmma takes K = 32 per instruction, so the weight's own layout has two slices of 32 inputs per 64-input
 chunk: int8 [N, K/2], byte (n, t) holding input 64 (t // 32) + t % 32 in its high nibble and input
 64 (t // 32) + 32 + t % 32 in its low one, each as q - 8 in 4-bit two's complement (q xor 8). A nibble in
@@ -16,8 +16,8 @@ Tiles of EXACT_FROM_M tokens or more make it in registers with one multiply-add 
 next, and xor 0x80 per byte leaves the int8 (q - 8) k; the int32 accumulator then runs over all of K as per channel.
 Smaller tiles accumulate each K tile's 16 (q - 8) x into its own int32 tile, shifted back by 4 and multiplied by k
 exactly (fewer instructions per slice, one drain per K tile). Epilogue: token scale x channel scale (/ 16 for
-16 (q - 8) weights), bias, fused split-K (w4a16's `store_output`). Symmetric weights only (zero 8). On sm_90 the kernel is
-launched as quantize_rows' programmatic dependent (w4a8.dependent_launch) and waits for it before anything else.
+16 (q - 8) weights), bias, fused split-K (common.store_output). Symmetric weights only (zero 8). On sm_90 the kernel is
+launched as quantize_rows' programmatic dependent (common.dependent_launch) and waits for it before anything else.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The W4A8 sibling of w4a16_wgmma.py (read it first), on w4a8_swap.py's int8 [N, K/2] layout (two slices of 32 inputs
 per 64-input chunk, a nibble already being the int8 16 (q - 8) in the high half of a byte: `and` or `shl` + `and`
-per four weights). Per-token int8 activations come from w4a8.quantize_rows; x's int8 tile is TMA'd as boxes of
-[BLOCK_M, 64]. On sm_90 the kernel is launched as quantize_rows' programmatic dependent (w4a8.dependent_launch): its
+per four weights). Per-token int8 activations come from common.quantize_rows; x's int8 tile is TMA'd as boxes of
+[BLOCK_M, 64]. On sm_90 the kernel is launched as quantize_rows' programmatic dependent (common.dependent_launch): its
 ring's first weight tiles are issued before it waits for that kernel (griddepcontrol.wait), x's after. Each slice is
 one async int8 wgmma (K = 32) followed by `wait_group 1`.
 Per channel the slices are 16 (q - 8) and the int32 accumulator runs over all of K (epilogue x channel scale x token
