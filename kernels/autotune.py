@@ -32,7 +32,8 @@ class Preference:
     """The order the tuner tries the kernels in (its first config is the untuned default) on layers with a swap-layout
     copy or without one (None: either), from M bucket buckets[0] to buckets[1] (fp16 activations or not, a layer of
     2**26 weights or more or not: None for either). An entry of `order` is a kernel's name (all its configs) or the
-    name sliced, "gemm[:2]": its first two. Kernels that do not serve the problem (KernelSpec.serves) drop out."""
+    name sliced, "gemm[:2]": its first two. Kernels that do not serve the problem (KernelSpec.serves) drop out; a
+    registered kernel the row does not name comes after it (a new kernel is timed before it has a place here)."""
 
     swap: bool | None
     buckets: tuple[int, int]
@@ -111,7 +112,10 @@ def candidates(scheme: Scheme, m: int, n: int, k: int, group: int, swap: bool = 
     swap-layout kernels' K tiles must fit in it. plain: the plain-layout weight is on the GPU
     (kernels/__init__.keeps_plain_copy); without it only the swap-layout kernels are candidates."""
     p = Problem(scheme, m, n, k, group)
-    out = [c for entry in preference(p, swap, fp16).order for c in _entry_configs(entry, p, swap, hopper, fp16)]
+    order = preference(p, swap, fp16).order
+    named = {entry.partition("[")[0] for entry in order} | {"wgmma"}
+    unranked = tuple(spec.name for spec in registry.KERNELS if spec.scheme == scheme and spec.name not in named)
+    out = [c for entry in order + unranked for c in _entry_configs(entry, p, swap, hopper, fp16)]
     wgmma = _entry_configs("wgmma", p, swap, hopper, fp16)
     lead = WGMMA_LEADS[scheme][0] <= p.bucket <= WGMMA_LEADS[scheme][1]
     out = _fitting(p, wgmma + out if lead else out + wgmma, swap_block)

@@ -1,6 +1,7 @@
 """The kernel registry: every GEMM kernel's KernelSpec (kernels/spec.py), declared in its own file and listed here,
 the one place. Dispatch (kernels/__init__.py: w4a16_run / w4a8_run) and the tuner's candidates (autotune.py) are
-lookups over it. Adding a kernel: its file (kernel, launch function, SPECS) and its SPECS added to KERNELS below.
+lookups over it. Adding a kernel: its file (kernel, launch function, SPECS) and its SPECS added to KERNELS below;
+the tuner then times it after the kernels that autotune.PREFERENCES ranks, until it is given a place there.
 
 Importing this needs Triton; the Gluon kernels (Hopper) join only where Triton has Gluon's Hopper module."""
 
