@@ -1,7 +1,7 @@
 """The house rules of the package's imports, read from the source with ast (every import: top level, inside
 functions, under TYPE_CHECKING): no import cycle inside quantkit, and the kernels (quantkit.kernels, the repo's
 kernels/ folder) import nothing of quantkit: they are the ground floor that the nn layer, formats and quantizers
-build on."""
+build on; no kernel file imports another (they share kernels/common.py, gluon_common.py, layout.py, spec.py)."""
 
 from __future__ import annotations
 
@@ -93,4 +93,21 @@ def test_no_import_cycles() -> None:
 def test_kernels_import_nothing_of_quantkit() -> None:
     wrong = {f"{name} imports {dep}" for name, deps in import_graph().items() if name.startswith("quantkit.kernels")
              for dep in deps if not dep.startswith("quantkit.kernels")}
+    assert not wrong, sorted(wrong)
+
+
+def _declares_kernels(path: Path) -> bool:
+    """Whether a module is a kernel file: it declares the KernelSpecs it registers (a top-level SPECS)."""
+    tree = ast.parse(path.read_text())
+    return any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SPECS" for t in node.targets)
+               for node in tree.body)
+
+
+def test_no_kernel_file_imports_another() -> None:
+    modules = _module_files()
+    kernel_files = {name for name, path in modules.items() if name.startswith("quantkit.kernels.")
+                    and _declares_kernels(path)}
+    assert len(kernel_files) >= 7, sorted(kernel_files)
+    graph = import_graph()
+    wrong = {f"{name} imports {dep}" for name in kernel_files for dep in graph[name] & kernel_files}
     assert not wrong, sorted(wrong)
