@@ -35,12 +35,13 @@ from pathlib import Path
 
 import torch
 from bench_kernels import printing_log, random_layer, relative_error, run_meta
+from quantkit.kernels.layout import pack_along_rows
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from quantkit.eval.speed import compiled_step, median_seconds
 from quantkit.eval.static_decoder import StaticDecoder
 from quantkit.models import get_adapter
-from quantkit.nn.qlinear import QuantLinear, pack_along_rows
+from quantkit.nn.qlinear import QuantLinear
 
 COPY_ROOF = {"H200": 4.25e12}  # bytes/s, measured copy rate by device (issue #4); others: GB/s alone
 DECODE_SLACK = 64  # cache positions after the prompt

@@ -25,10 +25,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from quantkit.kernels import make_kernel_forward, swap_block, swap_weight_for
-from quantkit.kernels.autotune import GEMV_KERNELS, SWAP_LAYOUT_KERNELS, fits_swap_block
+from quantkit.kernels.autotune import candidates, fits_swap_block
+from quantkit.kernels.common import GEMV_KERNELS
+from quantkit.kernels.layout import unpack_along_rows
+from quantkit.kernels.spec import TileConfig, fits_k, gemv_config
 
 from quantkit.eval.speed import replay_seconds
-from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
+from quantkit.nn.qlinear import QuantLinear
 
 SHAPES = {  # name: (K, N)
     "8B qkv": (4096, 6144), "8B o": (4096, 4096), "8B gate_up": (4096, 28672), "8B down": (14336, 4096),
@@ -121,14 +124,12 @@ def config_runner(layer: QuantLinear):
                                    swap, cfg)
 
 
-def run_config(layer: QuantLinear, x: torch.Tensor, cfg: dict) -> torch.Tensor:
+def run_config(layer: QuantLinear, x: torch.Tensor, cfg: TileConfig) -> torch.Tensor:
     return config_runner(layer)(x, cfg)
 
 
 def check_correctness(log, schemes: list[str]) -> int:
     """Configs vs float64 (every candidate for the benchmarked fp16 g128 layers, the default elsewhere)."""
-    from quantkit.kernels.autotune import candidates
-
     failures = 0
     cases = [("w4a16", 128, torch.float16, True, True), ("w4a16", 32, torch.bfloat16, False, False),
              ("w4a16", -1, torch.float16, False, False), ("w4a16", 128, torch.bfloat16, True, False),
@@ -154,7 +155,7 @@ def check_swap(log, schemes: list[str]) -> int:
     """The swap-layout kernels vs float64 with NaN-poisoned outputs: every candidate config for fp16 g128, the
     first two of each kernel for fp16 g64 / per-channel, bf16 g128 and (W4A16) asymmetric fp16 g128 / bf16
     per-channel."""
-    from quantkit.kernels.autotune import candidates
+    from quantkit.kernels.registry import SWAP_LAYOUT_KERNELS
 
     failures = 0
     for scheme in schemes:
@@ -169,8 +170,8 @@ def check_swap(log, schemes: list[str]) -> int:
                 ref = reference(layer, x)
                 configs = [c for c in candidates(scheme, m, 768, 1024, layer.group_size, swap=True, hopper=True,
                                                  fp16=dtype == torch.float16, swap_block=layer_swap_block(layer))
-                           if c["kernel"] in SWAP_LAYOUT_KERNELS]
-                firsts = [c for kind in SWAP_LAYOUT_KERNELS for c in [c for c in configs if c["kernel"] == kind][:2]]
+                           if c.kernel in SWAP_LAYOUT_KERNELS]
+                firsts = [c for kind in sorted(SWAP_LAYOUT_KERNELS) for c in [c for c in configs if c.kernel == kind][:2]]
                 for cfg in configs if (group, dtype, sym) == (128, torch.float16, True) else firsts:
                     failures += _failed(log, _checked_err(layer, x, cfg, ref, log), tol,
                                         f"swap {scheme} g{group} {dtype} sym={sym} m={m} {cfg}")
@@ -235,7 +236,7 @@ def cublas_time(k: int, n: int, m: int) -> float:
 
 def _without_pdl(calls: list) -> float:
     """graph_time of calls with programmatic dependent launch off (QUANTKIT_PDL=0), then as it was."""
-    from quantkit.kernels.w4a8 import dependent_launch
+    from quantkit.kernels.common import dependent_launch
 
     before = os.environ.get("QUANTKIT_PDL")
     os.environ["QUANTKIT_PDL"] = "0"
@@ -278,14 +279,9 @@ def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict, sy
 
 def tensor_core_report() -> dict:
     """Which compiled Triton / Gluon kernels use wgmma / mma.sync (from their PTX), per kernel and tile."""
-    from quantkit.kernels import w4a8, w4a8_swap, w4a16, w4a16_swap
-    from quantkit.kernels.autotune import hopper_gluon
+    from quantkit.kernels import common, registry
 
-    modules = [w4a16, w4a16_swap, w4a8, w4a8_swap]
-    if hopper_gluon(torch.device("cuda")):  # (older Tritons have no Gluon)
-        from quantkit.kernels import w4a8_wgmma, w4a16_wgmma
-
-        modules += [w4a16_wgmma, w4a8_wgmma]
+    modules = [common] + [sys.modules[module] for module in dict.fromkeys(s.launch.__module__ for s in registry.KERNELS)]
     report = {}
     for mod in modules:
         for name in dir(mod):
@@ -364,7 +360,7 @@ TMA_GEMV_SWEEP = [(32, 512, 4), (64, 256, 4), (64, 512, 4), (64, 1024, 4), (128,
                   (128, 512, 8), (256, 256, 8), (32, 1024, 4), (128, 1024, 8)]
 
 
-def tma_gemv_sweep_configs(n: int, k: int, group: int) -> list[dict]:
+def tma_gemv_sweep_configs(n: int, k: int, group: int) -> list[TileConfig]:
     """Every TMA_GEMV_SWEEP tile at each ring depth of 24-128 KB and the two K splits whose launch comes nearest
     600 programs per token (about 4.5 per SM on the H200)."""
     from quantkit.kernels.w4a16_tma_gemv import tma_gemv_fits
@@ -375,31 +371,28 @@ def tma_gemv_sweep_configs(n: int, k: int, group: int) -> list[dict]:
                         key=lambda s: abs(n // bn * s - 600))[:2]
         for stages in (2, 3, 4, 6, 8):
             if 24 * 1024 <= stages * bn * bk // 2 <= 128 * 1024:
-                out += [dict(kernel="tma_gemv", BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=warps,
-                             num_stages=stages) for s in splits]
+                out += [TileConfig("tma_gemv", 1, bn, bk, s, warps, stages) for s in splits]
     return out
 
 
-def gemv_sweep_configs(m: int, n: int, k: int, group: int, kind: str = "gemv") -> list[dict]:
+def gemv_sweep_configs(m: int, n: int, k: int, group: int, kind: str = "gemv") -> list[TileConfig]:
     """Every gemv tile with every power-of-two split that leaves each split at least two K tiles."""
-    from quantkit.kernels.autotune import _fits, _gemv
     from quantkit.kernels.w4a16_swap import swap_gemv_fits
 
     if kind == "tma_gemv":
         return tma_gemv_sweep_configs(n, k, group)
     out = []
     for bn, bk, warps, stages in SWAP_GEMV_SWEEP if kind == "swap_gemv" else GEMV_TILES:
-        heuristic = _gemv(n, k, bn, bk, warps)["SPLIT_K"]  # swap_gemv: around the tuner's split
+        heuristic = gemv_config(n, k, bn, bk, warps).split_k  # swap_gemv: around the tuner's split
         for split in (heuristic // 2, heuristic, 2 * heuristic) if kind == "swap_gemv" else (1, 2, 4, 8, 16):
-            cfg = dict(kernel=kind, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
-                       num_stages=stages)
-            fits = swap_gemv_fits(k, n, group, bn, bk) if kind == "swap_gemv" else _fits(cfg, k, group)
+            cfg = TileConfig(kind, 1, bn, bk, split, warps, stages)
+            fits = swap_gemv_fits(k, n, group, bn, bk) if kind == "swap_gemv" else fits_k(cfg, k, group)
             if split >= 1 and (split == 1 or k // bk >= 2 * split) and fits and cfg not in out:
                 out.append(cfg)
     return out
 
 
-def _poisoned_run(layer: QuantLinear, x: torch.Tensor, cfg: dict) -> torch.Tensor:
+def _poisoned_run(layer: QuantLinear, x: torch.Tensor, cfg: TileConfig) -> torch.Tensor:
     """run_config with every torch.empty NaN-filled first, so unwritten outputs fail the check."""
     real_empty = torch.empty
 
@@ -414,7 +407,7 @@ def _poisoned_run(layer: QuantLinear, x: torch.Tensor, cfg: dict) -> torch.Tenso
         torch.empty = real_empty
 
 
-def _checked_err(layer: QuantLinear, x: torch.Tensor, cfg: dict, ref: torch.Tensor, log) -> float:
+def _checked_err(layer: QuantLinear, x: torch.Tensor, cfg: TileConfig, ref: torch.Tensor, log) -> float:
     """Relative error of cfg's poisoned run; inf (logged) when it fails to compile or run."""
     try:
         return relative_error(_poisoned_run(layer, x, cfg), ref)
@@ -437,32 +430,9 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return err if math.isfinite(err) else float("inf")
 
 
-def _gemv_compiles(scheme: str) -> list:
-    """Compiled gemv variants of the scheme in compile order (empty if this Triton hides them)."""
-    from quantkit.kernels.w4a8 import _w4a8_gemv_kernel
-    from quantkit.kernels.w4a16 import _w4a16_gemv_kernel
-
-    kernel = _w4a16_gemv_kernel if scheme == "w4a16" else _w4a8_gemv_kernel
-    try:
-        return [c for cache in kernel.device_caches.values() for c in cache[0].values()]
-    except (AttributeError, IndexError, KeyError, TypeError):
-        return []
-
-
-def _resources(scheme: str, cfg: dict, seen: dict, compiles_before: int) -> dict:
-    """Registers / spills of cfg's gemv tile, read when its first call compiled a new variant."""
-    tile = (scheme, cfg["kernel"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
-    compiles = _gemv_compiles(scheme)
-    if tile not in seen and len(compiles) > compiles_before:
-        seen[tile] = dict(regs=getattr(compiles[-1], "n_regs", None), spills=getattr(compiles[-1], "n_spills", None))
-    return seen.get(tile, {})
-
-
 def check_odd_shapes(log) -> int:
     """A spread of gemv sweep configs and the sliced gemm vs float64 on small odd layers (bias, asym, bf16, g32,
     per-channel)."""
-    from quantkit.kernels.autotune import candidates
-
     failures = 0
     for k, n, group, dtype, sym in ((768, 776, 128, torch.float16, True), (2048, 200, 32, torch.bfloat16, False),
                                     (1024, 96, -1, torch.float16, False)):
@@ -471,7 +441,7 @@ def check_odd_shapes(log) -> int:
         for m in (1, 3, 5, 40):
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = reference(layer, x)
-            sliced = [c for c in candidates("w4a16", m, n, k, layer.group_size) if c["kernel"] == "gemm_sliced"]
+            sliced = [c for c in candidates("w4a16", m, n, k, layer.group_size) if c.kernel == "gemm_sliced"]
             gemvs = [c for kind in GEMV_KERNELS for c in gemv_sweep_configs(m, n, k, layer.group_size, kind)[::14]]
             for cfg in gemvs + sliced[:3]:  # each is a compile
                 failures += _failed(log, _checked_err(layer, x, cfg, ref, log), tol,
@@ -485,14 +455,11 @@ def sweep_small_m(log, out: Path, budget_s: float, schemes: list[str], ms: tuple
     """Correctness (float64, NaN-poisoned outputs) and timing, for M in SMALL_MS on every benchmark shape
     (g128 sym fp16; W4A8 two-level), of every tiled candidate (gemm, gemm_sliced, dequant_mm / int_mm) and,
     within the budget, every W4A16 gemv config, next to cuBLAS; the best of each kernel kind per cell."""
-    from quantkit.kernels.autotune import candidates
-
-    t_start, failures, rows, seen = time.time(), check_odd_shapes(log), [], {}
+    t_start, failures, rows = time.time(), check_odd_shapes(log), []
     for scheme in schemes:
         for m in ms:
             for shape, (k, n) in SHAPES.items():
-                failures += _sweep_cell(log, scheme, shape, k, n, m, t_start, budget_s, rows, seen, candidates, kinds,
-                                        sym)
+                failures += _sweep_cell(log, scheme, shape, k, n, m, t_start, budget_s, rows, kinds, sym)
                 (out / "sweep_small_m.json").write_text(json.dumps(rows, indent=1))
                 (out / "sweep_small_m.md").write_text(sweep_markdown(rows))  # so far: a cut-off run keeps it
     log(f"correctness failures: {failures}")
@@ -507,19 +474,19 @@ def sweep_markdown(rows: list[dict]) -> str:
         for key in ((r["scheme"], r["shape"], r["M"], "best"), (r["scheme"], r["shape"], r["M"], r["config"]["kernel"])):
             if key not in best or r["t_us"] < best[key]["t_us"]:
                 best[key] = r
-    lines = ["| scheme | shape | M | kind | cuBLAS us | kernel us | speedup | GB/s | regs | spills | config |",
-             "|---" * 11 + "|"]
+    lines = ["| scheme | shape | M | kind | cuBLAS us | kernel us | speedup | GB/s | config |", "|---" * 9 + "|"]
     for (scheme, shape, m, kind), r in best.items():
         c = r["config"]
         lines.append(f"| {scheme} | {shape} | {m} | {kind} | {r['t_cublas_us']:.1f} | {r['t_us']:.1f} | "
-                     f"{r['speedup']:.2f} | {r['GBps']:.0f} | {r.get('regs')} | {r.get('spills')} | "
+                     f"{r['speedup']:.2f} | {r['GBps']:.0f} | "
                      f"{c['kernel']} BM{c.get('BLOCK_M')} BN{c.get('BLOCK_N')} BK{c.get('BLOCK_K')} "
                      f"S{c.get('SPLIT_K')} w{c.get('num_warps')} s{c.get('num_stages')} |")
     return "\n".join(lines) + "\n"
 
 
 def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: float, budget_s: float,
-                rows: list, seen: dict, candidates, kinds: list[str] | None = None, sym: bool = True) -> int:
+                rows: list, kinds: list[str] | None = None, sym: bool = True) -> int:
+
     q_bytes = k * n // 2 + 2 * n * (k // 128) + 2 * (m * k + m * n)
     t_base = cublas_time(k, n, m)
     layers = [random_layer(k, n, 128, scheme, sym=sym) for _ in range(copies_for(q_bytes))]
@@ -527,25 +494,23 @@ def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: f
     runners = [config_runner(la) for la in layers]
     ref = reference(layers[0], xs[0])
     gemv_kinds = ("tma_gemv", "swap_gemv") * (scheme == "w4a16") + GEMV_KERNELS  # the newest first, within the budget
-    tiled = [c for c in candidates(scheme, m, n, k, 128, swap=True, hopper=True) if c["kernel"] not in gemv_kinds
-             and (kinds is None or c["kernel"] in kinds)]
+    tiled = [c for c in candidates(scheme, m, n, k, 128, swap=True, hopper=True) if c.kernel not in gemv_kinds
+             and (kinds is None or c.kernel in kinds)]
     gemvs = [c for kind in gemv_kinds if kinds is None or kind in kinds
              for c in gemv_sweep_configs(m, n, k, 128, kind)]
     configs = [c for c in tiled + (gemvs if m <= 4 else []) if fits_swap_block(c, layer_swap_block(layers[0]))]
     failures = 0
     for cfg in configs:
-        if time.time() - t_start > budget_s and cfg["kernel"] in gemv_kinds:
+        if time.time() - t_start > budget_s and cfg.kernel in gemv_kinds:
             break
-        compiles_before = len(_gemv_compiles(scheme))
         err = _checked_err(layers[0], xs[0], cfg, ref, log)
-        res = _resources(scheme, cfg, seen, compiles_before) if cfg["kernel"] in GEMV_KERNELS else {}
         if not err < 2e-3:
             failures += 1
             log(f"FAIL {scheme} {shape} M={m} {cfg}: rel err {err:.2e}")
             continue
         t = graph_time([lambda r=r, x=x, c=cfg: r(x, c) for r, x in zip(runners, xs, strict=True)])
-        rows.append(dict(scheme=scheme, shape=shape, K=k, N=n, M=m, config=cfg, rel_err=err, t_us=t * 1e6,
-                         t_cublas_us=t_base * 1e6, speedup=t_base / t, GBps=q_bytes / t / 1e9, **res))
+        rows.append(dict(scheme=scheme, shape=shape, K=k, N=n, M=m, config=cfg.as_dict(), rel_err=err, t_us=t * 1e6,
+                         t_cublas_us=t_base * 1e6, speedup=t_base / t, GBps=q_bytes / t / 1e9))
     del layers, runners, xs, ref
     torch.cuda.empty_cache()
     cell = [r for r in rows if (r["scheme"], r["shape"], r["M"]) == (scheme, shape, m)]
@@ -558,7 +523,7 @@ def _sweep_cell(log, scheme: str, shape: str, k: int, n: int, m: int, t_start: f
 def time_quantize_rows(log) -> int:
     """W4A8's per-token quantization: a few programs per row (the default without row sums) against one program per
     row (what the per-channel gemm's row sums need), outputs compared bit for bit. -> number of mismatches."""
-    from quantkit.kernels.w4a8 import quantize_rows, row_segments
+    from quantkit.kernels.common import quantize_rows, row_segments
 
     mismatches = 0
     for m in (1, 4, 16, 64, 256):
@@ -640,7 +605,7 @@ def main() -> int:
         log(f"correctness: {failures} failures ({time.time() - t0:.0f}s)")
         (args.out / "tensor_cores.json").write_text(json.dumps(tensor_core_report(), indent=1))
     meta["check_failures"] = failures
-    from quantkit.kernels.autotune import _cache, tuning_key
+    from quantkit.kernels.autotune import tuning_cache, tuning_key
 
     class TunerWarnings(logging.Handler):  # the grid's cold tuner: every config it rejected, in the results
         def emit(self, record: logging.LogRecord) -> None:
@@ -663,7 +628,8 @@ def main() -> int:
                                  args.asym, two_level, swap, layer_swap_block(layers[(scheme, k, n, args.group,
                                                                                       not args.asym)][0]),
                                  row["plain_copy"])
-                row["config"] = json.dumps(_cache().get(key) or "default").replace('"', "")
+                tuned = tuning_cache().get(key)
+                row["config"] = json.dumps(tuned.as_dict() if tuned else "default").replace('"', "")
                 results.append(row)
                 log(f"{scheme} {shape} M={m}: {row['t_kernel_us']:.1f}us vs {row['t_cublas_us']:.1f}us "
                     f"= {row['speedup']:.2f}x ({row['kernel_GBps']:.0f} GB/s, {row['kernel_TFLOPs']:.0f} TF/s) "

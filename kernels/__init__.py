@@ -5,6 +5,13 @@ or None with the reason logged when the layer's shape or scheme has no kernel. T
 custom ops torch.ops.quantkit.w4a16_linear / w4a8_linear, so torch.compile treats them as opaque calls and
 CUDA graphs capture their launches (no host syncs; per-call allocations only through PyTorch's allocator).
 Triton is imported lazily: importing this package never needs it.
+
+The package, from the ground up (a module imports only those above it; the house test checks it):
+  layout.py        weight and activation layouts (nibble packing, swap layouts, int8 tokens): torch only
+  spec.py          TileConfig, Problem, KernelSpec, the split heuristics: plain Python
+  common.py        the Triton kernels' shared helpers; gluon_common.py the Gluon (Hopper) ones
+  w4a16*.py, w4a8*.py  one kernel family each, declaring its KernelSpecs (SPECS); none imports another
+  registry.py      every kernel's spec, the one list; autotune.py the tuner's candidates and cache over it
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ import os
 from collections.abc import Callable
 
 import torch
+
+from .layout import k_blocked, layout_shape, repack_for_swap, repack_for_w4a8_swap
+from .spec import REFERENCE_KERNEL, TileConfig, decode_attention_rows, hopper_gluon
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +44,7 @@ def _register_ops() -> None:
                      plain: bool = True) -> torch.Tensor:
         n, k = qweight.shape[1], x.shape[1]
 
-        def run(cfg: dict) -> torch.Tensor:
+        def run(cfg: TileConfig) -> torch.Tensor:
             return w4a16_run(x, qweight, scales, zeros, bias, group_size, swap_weight, cfg)
 
         def reference() -> torch.Tensor:
@@ -49,7 +59,7 @@ def _register_ops() -> None:
                     group_size: int, swap_weight: torch.Tensor | None, plain: bool = True) -> torch.Tensor:
         n, k = qweight.shape[1], x.shape[1]
 
-        def run(cfg: dict) -> torch.Tensor:
+        def run(cfg: TileConfig) -> torch.Tensor:
             return w4a8_run(x, qweight, channel_scales, group_scales, zeros, bias, group_size, swap_weight, cfg)
 
         def reference() -> torch.Tensor:
@@ -64,71 +74,42 @@ def _register_ops() -> None:
 
 
 def w4a16_run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-              bias: torch.Tensor | None, group_size: int, swap_weight: torch.Tensor | None, cfg: dict) -> torch.Tensor:
-    """One W4A16 call with an explicit config: the swap kernel on its own weight layout, else w4a16.py's (or the
-    plain torch reference, the tuner's last resort)."""
+              bias: torch.Tensor | None, group_size: int, swap_weight: torch.Tensor | None, cfg: TileConfig
+              ) -> torch.Tensor:
+    """One W4A16 call with an explicit config: its registered kernel on the weight layout it reads (or the plain torch
+    reference, the tuner's last resort)."""
+    from . import registry
     from .reference import w4a16_reference
-    from .w4a16 import w4a16_matmul
-    from .w4a16_swap import w4a16_swap_gemv, w4a16_swap_matmul
 
-    if cfg["kernel"] == "reference":
+    if cfg.kernel == REFERENCE_KERNEL:
         return w4a16_reference(x, qweight, scales, zeros, bias, group_size)
-
-    if cfg["kernel"] == "wgmma":  # Gluon, Hopper only (imported here: older Tritons have no Gluon)
-        from .w4a16_wgmma import w4a16_wgmma_matmul
-
-        return w4a16_wgmma_matmul(x, swap_weight, scales, zeros, bias, group_size, cfg)
-    if cfg["kernel"] == "tma_gemv":  # Gluon, Hopper only
-        from .w4a16_tma_gemv import w4a16_tma_gemv
-
-        return w4a16_tma_gemv(x, swap_weight, scales, zeros, bias, group_size, cfg)
-    if cfg["kernel"] == "swap":
-        return w4a16_swap_matmul(x, swap_weight, scales, zeros, bias, group_size, cfg)
-    if cfg["kernel"] == "swap_gemv":
-        return w4a16_swap_gemv(x, swap_weight, scales, zeros, bias, group_size, cfg)
-    return w4a16_matmul(x, qweight, scales, zeros, bias, group_size, cfg)
+    spec = registry.kernel("w4a16", cfg.kernel)
+    weight = swap_weight if spec.layout == "swap" else qweight
+    return spec.launch(x, weight, scales, zeros, bias, group_size, cfg)
 
 
 def w4a8_run(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
              group_scales: torch.Tensor | None, zeros: torch.Tensor | None, bias: torch.Tensor | None,
-             group_size: int, swap_weight: torch.Tensor | None, cfg: dict) -> torch.Tensor:
-    """One W4A8 call with an explicit config: the swap kernel on its own weight layout, else w4a8.py's (or the
-    plain torch reference, the tuner's last resort)."""
+             group_size: int, swap_weight: torch.Tensor | None, cfg: TileConfig) -> torch.Tensor:
+    """One W4A8 call with an explicit config: its registered kernel on the weight layout it reads (or the plain torch
+    reference, the tuner's last resort)."""
+    from . import registry
     from .reference import w4a8_reference
-    from .w4a8 import w4a8_matmul
-    from .w4a8_swap import w4a8_swap_matmul
 
-    if cfg["kernel"] == "reference":
+    if cfg.kernel == REFERENCE_KERNEL:
         return w4a8_reference(x, qweight, channel_scales, group_scales, zeros, bias, group_size)
-
-    if cfg["kernel"] == "wgmma":  # Gluon, Hopper only
-        from .w4a8_wgmma import w4a8_wgmma_matmul
-
-        return w4a8_wgmma_matmul(x, swap_weight, channel_scales, group_scales, bias, group_size, cfg)
-    if cfg["kernel"] == "swap":
-        return w4a8_swap_matmul(x, swap_weight, channel_scales, group_scales, bias, group_size, cfg)
-    return w4a8_matmul(x, qweight, channel_scales, group_scales, zeros, bias, group_size, cfg)
+    spec = registry.kernel("w4a8", cfg.kernel)
+    weight = swap_weight if spec.layout == "swap" else qweight
+    return spec.launch(x, weight, channel_scales, group_scales, zeros, bias, group_size, cfg)
 
 
-# The K blocks of the layers' swap-layout copies (w4a16_swap.k_blocked), by activation bits. H200, every kernel on
-# the plain layout and on blocks of 128 / 256 / 512 inputs (benchmarks/kernels/log_k_blocked_ab*_2026-12-05.txt):
+# The K blocks of the layers' swap-layout copies (layout.k_blocked), by activation bits. H200, every kernel on the
+# plain layout and on blocks of 128 / 256 / 512 inputs:
 # the wgmma kernels' 128-input K tiles gained 2.5-6% on average at 16 tokens from blocks of 128 (W4A8 2-12%) and
 # ~0.4% from larger ones; the TMA gemv's 256-input tiles (which blocks of 128 cannot hold; its 128-input tiles lost
 # ~10% on the large shapes) gained up to 5% / 9% on 70B gate_up / down at one token from blocks of 512 (2-4% more
 # than from 256 on 70B gate_up, in both runs). W4A8 has no gemv: 128.
 SWAP_BLOCK = {16: 512, 8: 128}
-
-
-DECODE_ATTENTION_ROWS = 64  # query rows per kv head (group x tokens) the decode attention kernel takes at most
-
-
-def decode_attention_rows(head_dim: int) -> int:
-    """The most query rows per kv head the decode attention kernel takes at this head size; 0 where it takes none
-    (its tiles span the head: a power of two in [16, 256]). Heads of 256 take 32 rows: 64 spilled registers on
-    sm_90 with every tile and warp count tried (kernels/decode_attention.py: tile_shape)."""
-    if not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0):
-        return 0
-    return DECODE_ATTENTION_ROWS if head_dim <= 128 else DECODE_ATTENTION_ROWS // 2
 
 
 def decode_attention_for(device: torch.device, head_dim: int) -> Callable[..., torch.Tensor] | None:
@@ -139,8 +120,8 @@ def decode_attention_for(device: torch.device, head_dim: int) -> Callable[..., t
             or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")):
         return None
     try:
+        from .common import tile_counters
         from .decode_attention import decode_attention_op
-        from .w4a16 import tile_counters
     except ImportError:  # no Triton
         return None
     tile_counters(device)  # the split programs' counters, allocated now, never inside a CUDA-graph capture
@@ -150,8 +131,8 @@ def decode_attention_for(device: torch.device, head_dim: int) -> Callable[..., t
 def swap_weight_for(layer: torch.nn.Module, symmetric: bool) -> torch.Tensor | None:
     """The swap kernels' copy of a layer's weight, on the scales' device, in K blocks of SWAP_BLOCK inputs (plain
     where K is no multiple of it), or None when the kernels cannot take the layer or QUANTKIT_SWAP_KERNEL=0."""
-    from .w4a8_swap import repack_for_w4a8_swap, w4a8_swap_supported
-    from .w4a16_swap import k_blocked, repack_for_swap, swap_supported
+    from .w4a8_swap import w4a8_swap_supported
+    from .w4a16_swap import swap_supported
 
     k, n, group = layer.in_features, layer.out_features, layer.group_size
     if os.environ.get("QUANTKIT_SWAP_KERNEL", "1") == "0":
@@ -168,24 +149,20 @@ def swap_weight_for(layer: torch.nn.Module, symmetric: bool) -> torch.Tensor | N
 
 def keeps_plain_copy(device: torch.device) -> bool:
     """Whether a layer with a swap-layout copy keeps its plain K-packed weight on the GPU too (0.5 byte per weight
-    more), for the kernels that read that layout. Not on Hopper with Gluon (autotune.hopper_gluon: its wgmma kernels
+    more), for the kernels that read that layout. Not on Hopper with Gluon (spec.hopper_gluon: its wgmma kernels
     read the swap layout at any M), where the swap-layout kernels won every tuned cell but four (dequantize + cuBLAS:
-    8B o at 256 tokens, 8B qkv / gate_up and 70B gate_up at 1024, 0.72-0.83x;
-    kernels/results_w4a16_acc_once_2026-12-04.md): there the plain copy moves to host memory (for exports, state
+    8B o at 256 tokens, 8B qkv / gate_up and 70B gate_up at 1024, 0.72-0.83x):
+    there the plain copy moves to host memory (for exports, state
     dicts and the reference path) and the GPU holds one copy of the weight. QUANTKIT_PLAIN_COPY=1 keeps it on any
     device, QUANTKIT_PLAIN_COPY=0 moves it on any."""
     chosen = os.environ.get("QUANTKIT_PLAIN_COPY")
     if chosen is not None:
         return chosen != "0"
-    from .autotune import hopper_gluon
-
     return not hopper_gluon(device)
 
 
 def swap_block(swap_weight: torch.Tensor | None, k: int) -> int | None:
     """The K block of a layer's swap-layout copy (K itself for the plain layout), None without one."""
-    from .w4a16_swap import layout_shape
-
     return None if swap_weight is None else layout_shape(swap_weight, k)[1]
 
 
@@ -234,8 +211,8 @@ def make_kernel_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
         log.info("QuantLinear(%s) keeps the reference path: %s", layer.extra_repr(), reason)
         return None
     _register_ops()
-    from .autotune import hopper_gluon, swap_layout_serves
-    from .w4a16 import tile_counters
+    from .autotune import swap_layout_serves
+    from .common import tile_counters
 
     device = layer.scales.device
     tile_counters(device)  # allocated now, never inside a CUDA-graph capture

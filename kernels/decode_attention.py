@@ -24,12 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import decode_attention_rows
-from .w4a16 import _interpreting, tile_counters
+from .common import interpreting, tile_counters
+from .spec import decode_attention_rows
 
 BLOCK_L = 64  # cache slots per tile
 # One program per SM at most: on an H100 more splits lost everywhere (the last program reads every split's partial;
-# one token at position 8192: 21 / 27 / 36 / 56 us at 1 / 2 / 4 / 8 per SM; benchmarks/e2e/attention_h100_splits_*)
+# one token at position 8192: 21 / 27 / 36 / 56 us at 1 / 2 / 4 / 8 per SM)
 PROGRAMS_PER_SM = 1
 
 
@@ -162,7 +162,7 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     _decode_attention_kernel[(heads, splits)](
         q, cache_k, cache_v, positions, out, parts, lse, counters, scale, rows, tokens, length, chunk, window,
         HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_L=BLOCK_L, IS_SPLIT=splits > 1, HAS_WINDOW=window > 0,
-        UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(), num_warps=num_warps)
+        UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(), num_warps=num_warps)
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.nn.qlinear import int8_tokens, unpack_along_rows
+from .layout import int8_tokens, unpack_along_rows
 
 COLUMNS = 2048  # output columns dequantized at a time
 

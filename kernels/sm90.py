@@ -1,5 +1,5 @@
 """The Gluon kernels compiled for sm_90 without a GPU, with Triton's bundled ptxas: their PTX and what ptxas says of
-it (registers, spills, whether it serialized the wgmmas). For the compile tests and benchmarks/gluon_ptxas.py; the
+it (registers, spills, whether it serialized the wgmmas). For the compile tests; the
 signatures are those the launches pass (TMA descriptors, pointers, M / N / K / SPLIT_K as i32)."""
 
 from __future__ import annotations

@@ -34,37 +34,29 @@ fp32 accumulation.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .autotune import GEMV_KERNELS
-
-MAGIC_F32 = tl.constexpr(8388608.0)  # 2**23: OR-ing an integer below 2**23 into its mantissa adds it exactly
-
-
-@triton.jit
-def _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS: tl.constexpr, GROUP: tl.constexpr,
-                BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr, WORD_LAYOUT: tl.constexpr = False):
-    """Scale and zero point (fp32) for the 8-input rows k0 + 8r of a K tile: [1, BN] if one group spans the
-    tile, else [ROWS, BN] (groups are multiples of 8, so a packed row never straddles two groups).
-    WORD_LAYOUT: always [ROWS, BN], the int32 word tile's shape, so the compiler gives both loads one register
-    layout (a [1, BN] scale made it convert the gemv's whole partial tile through shared memory per K tile)."""
-    if WORD_LAYOUT:
-        g = (k0 + 8 * tl.arange(0, ROWS)) // GROUP
-    elif BLOCK_K <= GROUP:
-        g = (k0 // GROUP) + tl.zeros([1], dtype=tl.int32)
-    else:
-        g = (k0 + 8 * tl.arange(0, ROWS)) // GROUP
-    idx = g[:, None] * N + offs_n[None, :]
-    s = tl.load(s_ptr + idx, mask=n_mask[None, :], other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        z = tl.load(z_ptr + idx, mask=n_mask[None, :], other=0).to(tl.float32)
-    else:
-        z = tl.full(s.shape, 8.0, tl.float32)
-    return s, z
+from .common import (
+    GEMV_KERNELS,
+    MAGIC_F32,
+    fp16x2,
+    gemv_candidates,
+    gemv_program,
+    gemv_weights,
+    group_rows,
+    half2_word_dots,
+    half2_word_sums,
+    interpreting,
+    split_buffers,
+    store_output,
+    tiled_candidates,
+    unpacked_codes,
+    zero_pairs,
+)
+from .spec import M_BUCKETS, KernelSpec, TileConfig
 
 
 @triton.jit
@@ -80,34 +72,6 @@ def dequant_tile(words, s, z, OUT_DTYPE: tl.constexpr):
         w = (codes | 0x4B000000).to(tl.float32, bitcast=True) - MAGIC_F32
         w = ((w - z[:, None, :]) * s[:, None, :]).to(OUT_DTYPE)
     return tl.reshape(w, (words.shape[0] * 8, words.shape[1]))
-
-
-@triton.jit
-def _store_output(acc, out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, tile, n_splits,
-                  IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """acc [BM, BN] fp32 -> the output tile (bias added, cast). Split K: each program writes its fp32 partial
-    and counts itself in at the tile's counter; the last to arrive sums the partials in split order
-    (deterministic, the same sum as a separate reduce kernel, without its launch) and resets the counter."""
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    idx = offs_m[:, None] * N + offs_n[None, :]
-    if IS_SPLIT:
-        tl.store(part_ptr + pid_k * M * N + idx, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == n_splits - 1:
-            total = tl.zeros_like(acc)
-            for s in range(n_splits):  # .cg: read the other SMs' partials from L2, never a stale L1 line
-                total += tl.load(part_ptr + s * M * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + tile, 0)
-            _store_final(total, out_ptr, bias_ptr, offs_n, idx, mask, N, HAS_BIAS)
-    else:
-        _store_final(acc, out_ptr, bias_ptr, offs_n, idx, mask, N, HAS_BIAS)
-
-
-@triton.jit
-def _store_final(acc, out_ptr, bias_ptr, offs_n, idx, mask, N, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -138,36 +102,12 @@ _NIBBLES_SCALED_PTX = tl.constexpr(_nibbles_ptx(True))
 
 
 @triton.jit
-def _fp16_bits(v):
-    """v rounded to fp16, its 16 bits in the low half of an int32."""
-    return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-
-
-@triton.jit
-def _fp16x2(v):
-    """v as fp16 in both halves of an int32 (an fp16x2 operand)."""
-    bits = _fp16_bits(v)
-    return bits | (bits << 16)
-
-
-@triton.jit
-def _zero_pairs(words, z, HAS_ZEROS: tl.constexpr):
-    """1024 + z as fp16x2 per word (z = 8 when symmetric): what lop3's 1024 + q pairs subtract."""
-    if HAS_ZEROS:
-        zh = z.to(tl.int32) | 0x6400
-        pairs = zh | (zh << 16)
-    else:
-        pairs = tl.zeros_like(words) + 0x64086408
-    return pairs
-
-
-@triton.jit
 def _half2_slices(words, s, z, HAS_ZEROS: tl.constexpr, SCALED: tl.constexpr):
     """The 8 nibble slices [ROWS, BN] of a word tile as fp16 q - z (times s if SCALED), by inline PTX."""
-    zz = _zero_pairs(words, z, HAS_ZEROS)
+    zz = zero_pairs(words, z, HAS_ZEROS)
     if SCALED:
         return tl.inline_asm_elementwise(_NIBBLES_SCALED_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-                                         [words, zz, _fp16x2(s)], dtype=(tl.float16,) * 8, is_pure=True,
+                                         [words, zz, fp16x2(s)], dtype=(tl.float16,) * 8, is_pure=True,
                                          pack=1)
     return tl.inline_asm_elementwise(_NIBBLES_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, zz],
                                      dtype=(tl.float16,) * 8, is_pure=True, pack=1)
@@ -221,21 +161,21 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
         words = tl.load(qw_ptr + (k0 // 8 + tl.arange(0, ROWS))[:, None] * N + offs_n[None, :],
                         mask=n_mask[None, :], other=0)
         if SLICED:
-            s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS,
-                               BLOCK_K > GROUP)
+            s, z = group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS,
+                              BLOCK_K > GROUP)
             acc += _sliced_tile(x_ptr, words, s, z, offs_m, m_mask, k0, K, ROWS, BLOCK_K <= GROUP, UPCAST_DOT,
                                 HALF2, HAS_ZEROS)
         else:
             x = tl.load(x_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :],
                         mask=m_mask[:, None], other=0.0)
-            s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
+            s, z = group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
             w = dequant_tile(words, s, z, x_ptr.dtype.element_ty)
             if UPCAST_DOT:
                 acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
-    _store_output(acc, out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid, SPLIT_K,
-                  SPLIT_K > 1, HAS_BIAS)
+    store_output(acc, out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid, SPLIT_K,
+                 SPLIT_K > 1, HAS_BIAS)
 
 
 # x words (pairs 8r+2p, 8r+2p+1, p < 4) -> the pairs (x[8r+j], x[8r+j+4]) that lop3 of nibbles j, j+4 meets,
@@ -253,29 +193,6 @@ mul.rn.f16x2 $2, $2, k;
 mul.rn.f16x2 $3, $3, k;
 }""")
 
-# sum_j w_j x_j over the 8 nibbles of word $1, w_j = q_j - z: x pairs $2..$5, (1024 + z) as fp16x2 in $6;
-# fp32 out. ROUND (W4A8 two-level): w_j = round_half_even((q_j - z) * s) with the fp16x2 group scale in $7, as
-# QQQ does: one fma onto 1536 (spacing 1 there) rounds the exact product once, then 1536 comes off exactly.
-_NIBBLE_PAIR = """shr.u32 t, $1, {shift};
-lop3.b32 q, t, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 q, q, $6;
-{round}fma.rn.f16x2 a, q, ${pair}, a;
-"""
-_ROUND_PAIR = "fma.rn.f16x2 q, q, $7, r;\nsub.f16x2 q, q, r;\n"
-
-
-def _word_dot_ptx(round_scale: bool) -> str:
-    pairs = "".join(_NIBBLE_PAIR.format(shift=4 * j, pair=2 + j, round=_ROUND_PAIR if round_scale else "")
-                    for j in range(4))
-    return ("{\n.reg .b32 q, t, a, r;\n.reg .b16 lo, hi;\n.reg .f32 fl, fh;\nmov.b32 a, 0;\n"
-            "mov.b32 r, 0x66006600;\n" + pairs
-            + "mov.b32 {lo, hi}, a;\ncvt.f32.f16 fl, lo;\ncvt.f32.f16 fh, hi;\nadd.f32 $0, fl, fh;\n}")
-
-
-_WORD_DOT_PTX = tl.constexpr(_word_dot_ptx(False))
-_WORD_DOT_ROUND_PTX = tl.constexpr(_word_dot_ptx(True))
-
-
 @triton.jit
 def _fp16_x_pairs(x_ptr, x_base, rows):
     """The x pairs (x[8r+j], x[8r+j+4]) * 2**-6, j < 4, of each packed row r, as fp16x2 words [ROWS]."""
@@ -283,44 +200,6 @@ def _fp16_x_pairs(x_ptr, x_base, rows):
     x0, x1, x2, x3 = tl.load(xw), tl.load(xw + 1), tl.load(xw + 2), tl.load(xw + 3)
     return tl.inline_asm_elementwise(_X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x0, x1, x2, x3],
                                      dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-
-
-@triton.jit
-def _half2_word_dots(p0, p1, p2, p3, words, z, s, HAS_ZEROS: tl.constexpr, ROUND: tl.constexpr):
-    """[ROWS, BN] fp32: sum over each word's 8 nibbles of w * x for the x pairs p0..p3 [ROWS] (see gemv_h2
-    above; ROUND: W4A8's two-level int8 weights, s the [ROWS, BN] fp32 group scale, exact in fp16)."""
-    zz = _zero_pairs(words, z, HAS_ZEROS)
-    tile = tl.zeros_like(words)  # broadcasts each row's x pair across the row
-    q0, q1, q2, q3 = p0[:, None] + tile, p1[:, None] + tile, p2[:, None] + tile, p3[:, None] + tile
-    if ROUND:
-        return tl.inline_asm_elementwise(_WORD_DOT_ROUND_PTX, "=r,r,r,r,r,r,r,r",
-                                         [words, q0, q1, q2, q3, zz, _fp16x2(s)], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    return tl.inline_asm_elementwise(_WORD_DOT_PTX, "=r,r,r,r,r,r,r", [words, q0, q1, q2, q3, zz],
-                                     dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _gemv_program(N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A gemv program's x row, K split, output tile index (for the split-K counters), output columns (and
-    mask) and packed-row indices."""
-    m, pid_n = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return m, tl.program_id(2), m * tl.num_programs(1) + pid_n, offs_n, offs_n < N, tl.arange(0, BLOCK_K // 8)
-
-
-@triton.jit
-def _gemv_weights(qw_ptr, s_ptr, z_ptr, k0, N, offs_n, n_mask, rows, ROWS: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """A gemv K tile's packed words and their scales and zero points, each [ROWS, BLOCK_N]."""
-    s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS, True)
-    return _gemv_words(qw_ptr, k0, N, offs_n, n_mask, rows), s, z
-
-
-@triton.jit
-def _gemv_words(qw_ptr, k0, N, offs_n, n_mask, rows):
-    """A gemv K tile's packed words [ROWS, BLOCK_N] (coalesced along N)."""
-    return tl.load(qw_ptr + (k0 // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])  # one compile serves every M and split
@@ -331,25 +210,25 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
     # SPLIT_K is a runtime argument; IS_SPLIT picks the store (final output or fp32 partial).
     # Rows of x are the fastest grid axis: the programs sharing a weight tile run together and all but
     # the first find it in L2, so the weight crosses DRAM once for any M.
-    m, pid_k, tile, offs_n, n_mask, rows = _gemv_program(N, BLOCK_N, BLOCK_K)
+    m, pid_k, tile, offs_n, n_mask, rows = gemv_program(N, BLOCK_N, BLOCK_K)
     ROWS: tl.constexpr = BLOCK_K // 8
     last = K // BLOCK_K - 1
     # Every tensor is [ROWS, BLOCK_N] in the layout of the coalesced weight load (nibbles are a static
     # loop, not a tensor axis): no layout conversion inside the K loop, one fp32 accumulator per word.
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     # Register prefetch: the next K tile's loads are issued before this tile's arithmetic (Triton pipelines
-    # only loops with a dot), so a tile is always in flight. H200: +4-12% at M = 1 (sweep_gemv_prefetch_*.md).
-    words, s, z = _gemv_weights(qw_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, n_mask, rows, ROWS, GROUP,
-                                BLOCK_K, HAS_ZEROS)
+    # only loops with a dot), so a tile is always in flight. H200: +4-12% at M = 1.
+    words, s, z = gemv_weights(qw_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, n_mask, rows, ROWS, GROUP,
+                               BLOCK_K, HAS_ZEROS)
     if HALF2:
         p0, p1, p2, p3 = _fp16_x_pairs(x_ptr, m * K + pid_k * BLOCK_K, rows)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0, k_next = t * BLOCK_K, tl.minimum(t + SPLIT_K, last) * BLOCK_K  # the last tile re-reads itself
-        words_next, s_next, z_next = _gemv_weights(qw_ptr, s_ptr, z_ptr, k_next, N, offs_n, n_mask, rows, ROWS,
-                                                   GROUP, BLOCK_K, HAS_ZEROS)
+        words_next, s_next, z_next = gemv_weights(qw_ptr, s_ptr, z_ptr, k_next, N, offs_n, n_mask, rows, ROWS,
+                                                  GROUP, BLOCK_K, HAS_ZEROS)
         if HALF2:
             q0, q1, q2, q3 = _fp16_x_pairs(x_ptr, m * K + k_next, rows)
-            acc += _half2_word_dots(p0, p1, p2, p3, words, z, s, HAS_ZEROS, False) * s
+            acc += half2_word_dots(p0, p1, p2, p3, words, z, s, HAS_ZEROS, False) * s
             p0, p1, p2, p3 = q0, q1, q2, q3
         else:
             partial = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
@@ -362,8 +241,8 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
             acc += partial * s  # the group scale once per word, after its 8 nibbles are summed
         words, s, z = words_next, s_next, z_next
     out = tl.sum(acc, axis=0) * (64.0 if HALF2 else 1.0)
-    _store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
-                  tile, SPLIT_K, IS_SPLIT, HAS_BIAS)
+    store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
+                 tile, SPLIT_K, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -376,27 +255,9 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, GROUP: tl.constexpr, HAS_ZER
     ROWS: tl.constexpr = BLOCK_K // 8
     words = tl.load(qw_ptr + (k0 // 8 + tl.arange(0, ROWS))[:, None] * N + offs_n[None, :],
                     mask=n_mask[None, :], other=0)
-    s, z = _group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
+    s, z = group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
     w = dequant_tile(words, s, z, w_ptr.dtype.element_ty)
     tl.store(w_ptr + (k0 + tl.arange(0, BLOCK_K))[:, None] * N + offs_n[None, :], w, mask=n_mask[None, :])
-
-
-def half2_word_sums(xs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What the half2 word dots compute, in PyTorch: per packed row r and output n, the low fp16 lane sums
-    w[r, j] * x[r, j] for j < 4 and the high lane j >= 4, each step one fused multiply-add rounded to fp16;
-    the two lanes are added in fp32. xs [M, K/8, 8] and w [K/8, 8, N]: values exact in fp16. -> [M, K/8, N]."""
-    lanes = []
-    for lane in (0, 4):
-        acc = torch.zeros(xs.shape[0], xs.shape[1], w.shape[2], dtype=torch.float16, device=xs.device)
-        for j in range(lane, lane + 4):
-            acc = (w[None, :, j, :] * xs[:, :, j, None] + acc.float()).half()
-        lanes.append(acc.float())
-    return lanes[0] + lanes[1]
-
-
-def unpacked_codes(qweight: torch.Tensor) -> torch.Tensor:
-    """int32 [K/8, N] -> fp32 codes [K/8, 8, N] (nibble j of row r is input 8r + j)."""
-    return torch.stack([(qweight >> (4 * j)) & 0xF for j in range(8)], dim=1).float()
 
 
 def half2_gemv_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -413,30 +274,6 @@ def half2_gemv_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     return words.sum(dim=1) * 64.0
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def split_buffers(split: int, m: int, n: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 partials [split, m, n] and the tile counters of a split-K launch."""
-    return torch.empty(split, m, n, dtype=torch.float32, device=device), tile_counters(device, tiles)
-
-
-_COUNTERS: dict[str, torch.Tensor] = {}
-
-
-def tile_counters(device: torch.device, tiles: int = 1 << 16) -> torch.Tensor:
-    """The device's split-K tile counters (int32, zero between launches: the last program of each tile
-    resets its own). One buffer serves every layer and every CUDA-graph replay; make_kernel_forward
-    allocates it eagerly so no capture ever has to. Split-K launches of one device must not run
-    concurrently on two streams (they would share counters)."""
-    counters = _COUNTERS.get(str(device))
-    if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[str(device)] = counters
-    return counters
-
-
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                group_size: int) -> torch.Tensor:
     """[K, N] weight in the scales' dtype (the `dequant_mm` path; also a fast dequantizer)."""
@@ -450,31 +287,43 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 bias: torch.Tensor | None, group_size: int, config: dict) -> torch.Tensor:
+                 bias: torch.Tensor | None, group_size: int, config: TileConfig) -> torch.Tensor:
     """x [M, K] contiguous (scales' dtype) -> [M, N] with the given path/tile config (see autotune)."""
     m, k = x.shape
     n = qweight.shape[1]
-    if config["kernel"] == "dequant_mm":
+    if config.kernel == "dequant_mm":
         w = dequantize(qweight, scales, zeros, group_size)
         return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
-    split = config["SPLIT_K"]
+    split = config.split_k
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    gemv = config["kernel"] in GEMV_KERNELS
-    grid = ((m, triton.cdiv(n, config["BLOCK_N"]), split) if gemv else
-            (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split))
+    gemv = config.kernel in GEMV_KERNELS
+    grid = ((m, triton.cdiv(n, config.block_n), split) if gemv else
+            (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split))
     part, counters = split_buffers(split, m, n, math.prod(grid[:-1]), x.device) if split > 1 else (out, out)
     args = (x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
             out, part, counters, m, n, k)
     flags = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
-                 BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-                 num_warps=config["num_warps"], num_stages=config["num_stages"])
+                 BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                 num_warps=config.num_warps, num_stages=config.num_stages)
     if gemv:
-        half2 = config["kernel"] == "gemv_h2" and x.dtype == torch.float16 and not _interpreting()
+        half2 = config.kernel == "gemv_h2" and x.dtype == torch.float16 and not interpreting()
         _w4a16_gemv_kernel[grid](*args, SPLIT_K=split, IS_SPLIT=split > 1, HALF2=half2, **flags)
     else:
         # Triton's CPU interpreter gets bf16 tl.dot wrong (3.9): there, and only there, multiply in fp32.
-        upcast = x.dtype == torch.bfloat16 and _interpreting()
-        half2 = config["kernel"] == "gemm_h2" and x.dtype == torch.float16 and not _interpreting()
-        _w4a16_gemm_kernel[grid](*args, BLOCK_M=config["BLOCK_M"], SPLIT_K=split, UPCAST_DOT=upcast,
-                                 SLICED=config["kernel"] in ("gemm_sliced", "gemm_h2"), HALF2=half2, **flags)
+        upcast = x.dtype == torch.bfloat16 and interpreting()
+        half2 = config.kernel == "gemm_h2" and x.dtype == torch.float16 and not interpreting()
+        _w4a16_gemm_kernel[grid](*args, BLOCK_M=config.block_m, SPLIT_K=split, UPCAST_DOT=upcast,
+                                 SLICED=config.kernel in ("gemm_sliced", "gemm_h2"), HALF2=half2, **flags)
     return out
+
+
+SLICED_LEAST_BLOCK_K = 8 * 16  # each of the 8 nibble slices is one dot of K = BLOCK_K / 8 >= 16
+SPECS = (
+    KernelSpec("gemv_h2", "w4a16", "plain", gemv_candidates("gemv_h2"), w4a16_matmul, buckets=(1, 4)),
+    KernelSpec("gemv", "w4a16", "plain", gemv_candidates("gemv"), w4a16_matmul, buckets=(1, 4)),
+    KernelSpec("gemm", "w4a16", "plain", tiled_candidates("gemm", 32), w4a16_matmul),
+    KernelSpec("gemm_sliced", "w4a16", "plain", tiled_candidates("gemm_sliced", SLICED_LEAST_BLOCK_K), w4a16_matmul),
+    KernelSpec("gemm_h2", "w4a16", "plain", tiled_candidates("gemm_h2", SLICED_LEAST_BLOCK_K), w4a16_matmul, buckets=(1, 64)),
+    KernelSpec("dequant_mm", "w4a16", "plain", lambda p: [TileConfig("dequant_mm")], w4a16_matmul,
+               buckets=(256, M_BUCKETS[-1]), tiled=False),
+)

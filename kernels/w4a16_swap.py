@@ -32,103 +32,24 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.nn.qlinear import unpack_along_rows
+from .common import (
+    CHUNK_TL,
+    MMA_SYNC_TILES,
+    block_start,
+    fp16x2,
+    gemv_word_dot_ptx,
+    interpreting,
+    slice_ptx,
+    split_buffers,
+    store_output,
+    swap_program,
+    swap_tile_candidates,
+)
+from .layout import CHUNK, checked_layout
+from .spec import KernelSpec, Problem, TileConfig, gemv_config, with_half_split
 
-from .w4a16 import _fp16x2, _interpreting, _store_output, split_buffers
-
-CHUNK = 64  # inputs per 16 int16 of a weight row: 4 nibble slices of 16 contiguous inputs each
-_CHUNK = tl.constexpr(CHUNK)
-
-
-def pack_nibble_slices(qweight: torch.Tensor, shifts: tuple[int, ...], dtype: torch.dtype, xor: int = 0,
-                       columns: int = 1024) -> torch.Tensor:
-    """QuantLinear's int32 [K/8, N] (nibble j of row r is input 8r + j) -> `dtype` [N, K / len(shifts)]
-    whose element (n, t) holds, at bit shifts[j], the code (xor `xor`) of input 64 (t // r) + r j + t % r with
-    r = 64 / len(shifts): slice j of a row is r contiguous inputs of each 64-input chunk. Done `columns`
-    outputs at a time: the int32 temporaries are ~12 bytes per weight of the chunk, which for a 70B layer at
-    once would be gigabytes of GPU memory."""
-    k, n, slices = qweight.shape[0] * 8, qweight.shape[1], len(shifts)
-    if k % CHUNK:
-        raise ValueError(f"the swap layout needs K a multiple of {CHUNK}, got {k}")
-    bits, run = 4 * slices, CHUNK // slices
-    out = torch.empty(n, k // slices, dtype=dtype, device=qweight.device)
-    for n0 in range(0, n, columns):
-        codes = unpack_along_rows(qweight[:, n0:n0 + columns], 4).to(torch.int32) ^ xor  # [K, cols]
-        by_slice = codes.t().reshape(-1, k // CHUNK, slices, run)  # input k = 64 c + r j + i -> [cols, c, j, i]
-        packed = sum(by_slice[:, :, j, :] << shift for j, shift in enumerate(shifts))  # [cols, c, i]
-        out[n0:n0 + columns] = torch.where(packed >= 2**(bits - 1), packed - 2**bits, packed).reshape(-1, k // slices)
-    return out
-
-
-def repack_for_swap(qweight: torch.Tensor, columns: int = 1024) -> torch.Tensor:
-    """QuantLinear's int32 [K/8, N] -> this kernel's int16 [N, K/4] (see module doc)."""
-    return pack_nibble_slices(qweight, (0, 4, 8, 12), torch.int16, columns=columns)
-
-
-def k_blocked(packed: torch.Tensor, k: int, block: int) -> torch.Tensor:
-    """A swap-layout weight [N, K / p] (p inputs per element) in K blocks of `block` inputs: [K / block * N,
-    block / p], block b of row n at row b N + n. A K tile of BLOCK_N rows inside one block is then one contiguous
-    run of memory (one DRAM page run) instead of BLOCK_N runs a weight row apart; the TMA kernels read either form
-    (`layout_shape`). The plain layout is the case block = K."""
-    n, width = packed.shape
-    if k % block or width * block % k:
-        raise ValueError(f"K {k} does not split into whole blocks of {block} inputs ({width} elements a row)")
-    blocks = k // block
-    return packed.view(n, blocks, width // blocks).transpose(0, 1).reshape(blocks * n, width // blocks)
-
-
-def layout_shape(packed: torch.Tensor, k: int) -> tuple[int, int]:
-    """(N, inputs per K block) of a 4-bit swap-layout weight, plain [N, K / p] or k_blocked (p = 2 inputs per byte)."""
-    per_element = 2 * packed.element_size()
-    return packed.numel() * per_element // k, packed.shape[1] * per_element
-
-
-def checked_layout(packed: torch.Tensor, k: int, block_k: int, kernel: str) -> int:
-    """N of a swap-layout weight whose K blocks hold whole K tiles of block_k inputs, else a ValueError."""
-    n, block = layout_shape(packed, k)
-    if block % block_k:
-        raise ValueError(f"{kernel}: K tile {block_k} does not fit the weight's K blocks of {block} inputs")
-    return n
-
-
-@triton.jit
-def _block_start(col, W, N, TILE: tl.constexpr):
-    """Where column col (a K tile's first, a multiple of its TILE elements) of weight row 0 lies in a swap-layout
-    weight, plain or k_blocked (W elements a row): the rows of a tile inside one block are W apart from there.
-    Stated a multiple of TILE: else Triton cannot prove the rows' 16-byte alignment, and the tile's load leaves its
-    cp.async pipeline (and goes through shared memory into the mma's operand)."""
-    return tl.multiple_of(col // W * N * W + col % W, TILE)
-
-
-def swap_layout_codes(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse, for tests: int16 [N, K/4] -> codes [K, N] from the layout's definition, element by element."""
-    n, quarter = packed.shape
-    words = packed.to(torch.int32) & 0xFFFF
-    codes = torch.empty(quarter * 4, n, dtype=torch.int32, device=packed.device)
-    for t in range(quarter):
-        for j in range(4):
-            codes[CHUNK * (t // 16) + 16 * j + t % 16] = (words[:, t] >> (4 * j)) & 0xF
-    return codes
-
-
-def _slice_ptx(j: int, dtype: str) -> str:
-    """Nibble slice j of two packed int16 ($1) as the pair q - 8 in fp16x2 / bf16x2 ($0), Marlin-style: lop3
-    ORs the nibbles into the mantissa of 1024 (fp16) or 128 (bf16), where the spacing is 1, and one half2
-    op removes it. fp16's odd slices are masked in place at 16 q (1024 + 16 q, still exact) and scaled back
-    by the fma (1/16, -72), which saves their shift."""
-    if dtype == "fp16":
-        shift, mask, base = 8 * (j // 2), ("0x00F000F0" if j % 2 else "0x000F000F"), "0x64006400"
-        fix = ("mov.b32 a, 0x2C002C00;\nmov.b32 b, 0xD480D480;\nfma.rn.f16x2 $0, t, a, b;" if j % 2 else
-               "mov.b32 b, 0x64086408;\nsub.f16x2 $0, t, b;")  # odd: t / 16 - 72; even: t - 1032
-    else:
-        shift, mask, base = 4 * j, "0x000F000F", "0x43004300"
-        fix = "mov.b32 a, 0x3F803F80;\nmov.b32 b, 0xC308C308;\nfma.rn.bf16x2 $0, t, a, b;"  # t * 1 - 136
-    shr = f"shr.b32 t, $1, {shift};\n" if shift else "mov.b32 t, $1;\n"
-    return ("{\n.reg .b32 t, a, b;\n" + shr + f"lop3.b32 t, t, {mask}, {base}, 0xEA;\n" + fix + "\n}")
-
-
-_F0, _F1, _F2, _F3 = (tl.constexpr(_slice_ptx(j, "fp16")) for j in range(4))
-_B0, _B1, _B2, _B3 = (tl.constexpr(_slice_ptx(j, "bf16")) for j in range(4))
+_F0, _F1, _F2, _F3 = (tl.constexpr(slice_ptx(j, "fp16")) for j in range(4))
+_B0, _B1, _B2, _B3 = (tl.constexpr(slice_ptx(j, "bf16")) for j in range(4))
 
 
 @triton.jit
@@ -155,24 +76,14 @@ def _slice(h, j: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _swap_program(M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(pid, pid_k, offs_m, offs_n) of a swap kernel program; the M blocks of one weight tile run together
-    (L2 reuse)."""
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    pid_m, pid_n = pid % grid_m, pid // grid_m
-    return pid, pid_k, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-
-
-@triton.jit
 def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, W,
                        GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr, PTX: tl.constexpr):
-    pid, pid_k, offs_m, offs_n = _swap_program(M, BLOCK_M, BLOCK_N)
+    pid, pid_k, offs_m, offs_n = swap_program(M, BLOCK_M, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_K // 4)
     h_ptrs = h_ptr + offs_n[:, None] * W + offs_t[None, :]
-    x_ptrs = x_ptr + offs_m[None, :] * K + ((offs_t // 16) * _CHUNK + offs_t % 16)[:, None]  # slice 0, [BK/4, BM]
+    x_ptrs = x_ptr + offs_m[None, :] * K + ((offs_t // 16) * CHUNK_TL + offs_t % 16)[:, None]  # slice 0, [BK/4, BM]
     m_mask = offs_m[None, :] < M
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -181,7 +92,7 @@ def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
     x_run = tl.zeros((BLOCK_K // 4, BLOCK_M), dtype=tl.float32)
     for kt in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0 = kt * BLOCK_K
-        h = tl.load(h_ptrs + _block_start(k0 // 4, W, N, BLOCK_K // 4))
+        h = tl.load(h_ptrs + block_start(k0 // 4, W, N, BLOCK_K // 4))
         tile = acc if PER_CHANNEL else tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if not PER_CHANNEL:
             x_run = tl.zeros((BLOCK_K // 4, BLOCK_M), dtype=tl.float32)
@@ -205,8 +116,8 @@ def _w4a16_swap_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
         if HAS_ZEROS:
             acc += (8.0 - tl.load(z_ptr + offs_n).to(tl.float32))[:, None] * tl.sum(x_run, axis=0)[None, :]
         acc *= tl.load(s_ptr + offs_n).to(tl.float32)[:, None]
-    _store_output(tl.trans(acc), out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid,
-                  SPLIT_K, SPLIT_K > 1, HAS_BIAS)
+    store_output(tl.trans(acc), out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid,
+                 SPLIT_K, SPLIT_K > 1, HAS_BIAS)
 
 
 def swap_supported(k: int, n: int, group_size: int) -> bool:
@@ -215,11 +126,11 @@ def swap_supported(k: int, n: int, group_size: int) -> bool:
 
 
 def w4a16_swap_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                      bias: torch.Tensor | None, group_size: int, config: dict) -> torch.Tensor:
+                      bias: torch.Tensor | None, group_size: int, config: TileConfig) -> torch.Tensor:
     """x [M, K] contiguous (scales' dtype), packed = repack_for_swap(qweight) (or k_blocked), zeros [G, N] (uint8)
     or None (symmetric: 8) -> [M, N]."""
     m, k = x.shape
-    split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    split, block_m, block_n, block_k = config.split_k, config.block_m, config.block_n, config.block_k
     n = checked_layout(packed, k, block_k, "swap kernel")
     if k % block_k or n % block_n or (group_size != k and group_size % block_k):
         raise ValueError(f"swap kernel: K tile {block_k} / N tile {block_n} must divide K {k} / N {n} and "
@@ -231,9 +142,9 @@ def w4a16_swap_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
         x, packed, scales, zeros if zeros is not None else packed, bias if bias is not None else scales, out, part,
         counters, m, n, k, packed.shape[1], GROUP=group_size, PER_CHANNEL=group_size == k,
         HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, UPCAST_DOT=x.dtype == torch.bfloat16 and _interpreting(),  # the interpreter's bf16 is wrong (3.9)
-        PTX=not _interpreting(),
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        SPLIT_K=split, UPCAST_DOT=x.dtype == torch.bfloat16 and interpreting(),  # the interpreter's bf16 is wrong (3.9)
+        PTX=not interpreting(),
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
@@ -245,36 +156,8 @@ def w4a16_swap_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
 # halves into an fp16x2 pair at once, and that pair meets x's own aligned fp16x2 (64 c + 16 j + 2 i, + 1): no
 # shuffle of x at all (the K-packed gemv_h2 builds its x pairs with prmt and a multiply per row).
 
-def _fp16_pair(value: float) -> str:
-    bits = int(torch.tensor(value, dtype=torch.float16).view(torch.int16)) & 0xFFFF
-    return f"0x{bits:04X}{bits:04X}"
-
-
-def _gemv_word_dot_ptx(zeros: bool) -> str:
-    """sum_j w_j x_j over the 8 nibbles of word $1, fp32 in $0: x pairs of slices 0..3 in $2..$5. lop3 ORs
-    nibbles j into the fp16 mantissa of 1024 (even j, 1024 + q) or at 16 q (odd j, 1024 + 16 q, no shift needed);
-    one fma per pair turns that into w = (q - z) / 64 exactly (16 + q / 64 - (16 + z / 64), 1 + q / 64 - (1 + z / 64);
-    all exact in fp16), which keeps each half's sum of 4 products within |x|max * 60 / 64 (no fp16 overflow) without
-    touching x. Zero points: the pairs -(16 + z / 64) in $6, -(1 + z / 64) in $7; else z = 8 as constants."""
-    consts = f"mov.b32 se, {_fp16_pair(2.0**-6)};\nmov.b32 so, {_fp16_pair(2.0**-10)};\n"
-    if zeros:
-        consts += "mov.b32 fe, $6;\nmov.b32 fo, $7;\n"
-    else:  # half2 operands are registers, never immediates
-        consts += f"mov.b32 fe, {_fp16_pair(-(1024 + 8) / 64)};\nmov.b32 fo, {_fp16_pair(-(64 + 8) / 64)};\n"
-    body = ""
-    for j in range(4):
-        src = "$1" if j < 2 else "v"
-        mask, scale, fix = ("0x000F000F", "se", "fe") if j % 2 == 0 else ("0x00F000F0", "so", "fo")
-        body += (f"lop3.b32 t, {src}, {mask}, 0x64006400, 0xEA;\nfma.rn.f16x2 t, t, {scale}, {fix};\n"
-                 + (f"mul.rn.f16x2 a, t, ${2 + j};\n" if j == 0 else f"fma.rn.f16x2 a, t, ${2 + j}, a;\n"))
-        if j == 1:
-            body += "shr.b32 v, $1, 8;\n"
-    return ("{\n.reg .b32 t, v, a, se, so, fe, fo;\n.reg .b16 lo, hi;\n.reg .f32 fl, fh;\n" + consts + body
-            + "mov.b32 {lo, hi}, a;\ncvt.f32.f16 fl, lo;\ncvt.f32.f16 fh, hi;\nadd.f32 $0, fl, fh;\n}")
-
-
-_WORD_DOT = tl.constexpr(_gemv_word_dot_ptx(False))
-_WORD_DOT_ZEROS = tl.constexpr(_gemv_word_dot_ptx(True))
+_WORD_DOT = tl.constexpr(gemv_word_dot_ptx(False))
+_WORD_DOT_ZEROS = tl.constexpr(gemv_word_dot_ptx(True))
 
 
 @triton.jit
@@ -282,8 +165,8 @@ def _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, k0, N, W, offs_n, u, run_fir
                      PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr, PTX: tl.constexpr, BLOCK_K: tl.constexpr):
     """One K tile's words [BN, GT, GW], group scales and zero points [BN, GT, 1] (fp32; per channel: unused
     here) and, for the PTX path, x's four fp16x2 slices [1, GT, GW] (fp16 pairs as int32)."""
-    # read once: first out of L2 (H200: +1-7% at M = 1 on every shape, sweep_swap_gemv_prefetch_2026-12-04.md)
-    words = tl.load(w_ptrs + _block_start(k0 // 8, W, N, BLOCK_K // 8), eviction_policy="evict_first")
+    # read once: first out of L2 (H200: +1-7% at M = 1 on every shape)
+    words = tl.load(w_ptrs + block_start(k0 // 8, W, N, BLOCK_K // 8), eviction_policy="evict_first")
     if PER_CHANNEL:
         idx = offs_n[:, None, None]
         s = tl.zeros((1, 1, 1), tl.float32)
@@ -311,8 +194,8 @@ def _swap_gemv_dots(words, z, x0, x1, x2, x3, x_ptr, k0, u, HAS_ZEROS: tl.conste
     if PTX:
         if HAS_ZEROS:
             dot = tl.inline_asm_elementwise(
-                _WORD_DOT_ZEROS, "=r,r,r,r,r,r,r,r", [words, x0, x1, x2, x3, _fp16x2(-(16.0 + z / 64.0)),
-                                                      _fp16x2(-(1.0 + z / 64.0))], dtype=tl.float32,
+                _WORD_DOT_ZEROS, "=r,r,r,r,r,r,r,r", [words, x0, x1, x2, x3, fp16x2(-(16.0 + z / 64.0)),
+                                                      fp16x2(-(1.0 + z / 64.0))], dtype=tl.float32,
                 is_pure=True, pack=1)
         else:
             dot = tl.inline_asm_elementwise(_WORD_DOT, "=r,r,r,r,r,r", [words, x0, x1, x2, x3], dtype=tl.float32,
@@ -348,8 +231,7 @@ def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     acc = tl.zeros((BLOCK_N, GT, GROUP_WORDS), dtype=tl.float32)
     # register prefetch, as the K-packed gemv: the next tile's loads go out before this tile's arithmetic. (A
     # cp.async ring instead, which Triton builds for this dot-free loop when tl.range asks for stages, was 10-25%
-    # slower at every depth on the H200: sweep_swap_gemv_stages_2026-12-04.md.)
-    # (Two tiles in flight, the second in its own registers, lost 4-13%: sweep_swap_gemv_prefetch_2026-12-04.md.)
+    # slower at every depth on the H200.) (Two tiles in flight, the second in its own registers, lost 4-13%.)
     words, s, z, x0, x1, x2, x3 = _swap_gemv_loads(w_ptrs, x32_ptr, s_ptr, z_ptr, pid_k * BLOCK_K, N, W, offs_n, u,
                                                    run_first, GROUP, PER_CHANNEL, HAS_ZEROS, PTX, BLOCK_K)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
@@ -362,8 +244,8 @@ def _w4a16_swap_gemv_kernel(x_ptr, h_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     out = tl.sum(tl.sum(acc, axis=2), axis=1) * (64.0 if PTX else 1.0)
     if PER_CHANNEL:
         out *= tl.load(s_ptr + offs_n).to(tl.float32)
-    _store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
-                  m * tl.num_programs(1) + pid_n, SPLIT_K, IS_SPLIT, HAS_BIAS)
+    store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
+                 m * tl.num_programs(1) + pid_n, SPLIT_K, IS_SPLIT, HAS_BIAS)
 
 
 def swap_gemv_fits(k: int, n: int, group_size: int, block_n: int, block_k: int) -> bool:
@@ -375,15 +257,15 @@ def swap_gemv_fits(k: int, n: int, group_size: int, block_n: int, block_k: int) 
 
 
 def w4a16_swap_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                    bias: torch.Tensor | None, group_size: int, config: dict) -> torch.Tensor:
+                    bias: torch.Tensor | None, group_size: int, config: TileConfig) -> torch.Tensor:
     """x [M, K] (M small: one program row per token) on the swap layout -> [M, N]. fp16 on CUDA runs the
     half2 PTX word dots; bf16 and Triton's interpreter the same loop in fp32."""
     m, k = x.shape
-    split, block_n, block_k = config["SPLIT_K"], config["BLOCK_N"], config["BLOCK_K"]
+    split, block_n, block_k = config.split_k, config.block_n, config.block_k
     n = checked_layout(packed, k, block_k, "swap gemv")
     if not swap_gemv_fits(k, n, group_size, block_n, block_k):
         raise ValueError(f"swap gemv: tile {block_n} x {block_k} does not fit N {n}, K {k}, group {group_size}")
-    ptx = x.dtype == torch.float16 and not _interpreting()
+    ptx = x.dtype == torch.float16 and not interpreting()
     if ptx and x.data_ptr() % 4:  # x is read as fp16 pairs
         x = x.clone()
     grid = (m, n // block_n, split)
@@ -393,6 +275,29 @@ def w4a16_swap_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
         x, packed, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out, part,
         counters, m, n, k, packed.shape[1] // 2, GROUP=group_size, PER_CHANNEL=group_size == k,
         HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_WORDS=min(group_size, block_k) // 8, IS_SPLIT=split > 1, PTX=ptx, num_warps=config["num_warps"],
-        num_stages=config["num_stages"])
+        GROUP_WORDS=min(group_size, block_k) // 8, IS_SPLIT=split > 1, PTX=ptx, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return out
+
+
+# (BM, BN, BK, warps, stages). On the H200, (16, 128, 128, 4, 4) is within 5% of the best in every M <= 16 cell,
+# (64, 128, 128, 8, 3) in 6 of 6 at M = 64; BLOCK_N 256 and BLOCK_K 64 never were; every tile lost from M = 256 on.
+SWAP_TILES = ((16, 128, 128, 4, 4), (16, 64, 128, 4, 4), (32, 128, 128, 4, 4), (32, 128, 128, 8, 3),
+              (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (64, 256, 128, 8, 3)) + MMA_SYNC_TILES
+
+# The gemv's (BLOCK_N, BLOCK_K, warps): the H200 sweep's winners, BK 256 with 32 or 64 rows on every shape, at the
+# heuristic split or half
+SWAP_GEMV_TILES = ((32, 256, 4), (64, 256, 4), (32, 512, 4))
+
+
+def swap_gemv_candidates(p: Problem) -> list[TileConfig]:
+    """The swap-layout gemv's configs that fit the layer, at the heuristic split and at half of it."""
+    return with_half_split([gemv_config(p.n, p.k, bn, bk, warps, stages=1, kind="swap_gemv")
+                            for bn, bk, warps in SWAP_GEMV_TILES if swap_gemv_fits(p.k, p.n, p.group, bn, bk)])
+
+
+SPECS = (
+    KernelSpec("swap", "w4a16", "swap", lambda p: swap_tile_candidates(p, SWAP_TILES), w4a16_swap_matmul,
+               buckets=(1, 64)),
+    KernelSpec("swap_gemv", "w4a16", "swap", swap_gemv_candidates, w4a16_swap_gemv, buckets=(1, 4)),
+)

@@ -4,17 +4,17 @@ The Triton swap gemv (w4a16_swap.py) holds one prefetched K tile per program in 
 2.6-3.3 TB/s on the large shapes, against a copy roof of 4.25 TB/s. Here each program keeps STAGES K tiles of its
 weight rows in flight in shared memory (TMA bulk copies behind mbarriers, a ring over the program's contiguous range
 of K tiles; a stage is refilled as soon as every warp has read it), and its warps read a landed tile with 16-byte
-shared loads (H200: 5-15% faster on the 70B shapes at one token, 9-25% at two and four tokens; slower on small layers,
-benchmarks/kernels/log_ab_tma_gemv_2026-12-04.txt):
+shared loads (H200: 5-15% faster on the 70B shapes at one token, 9-25% at two and four tokens; slower on small
+layers):
 - the weight is the swap layout read as int32 words [N, K / 8] (w4a16_swap.py: word u of a row holds nibble slices
   j = 0..3 of two neighbouring int16, the inputs 64 (u // 8) + 16 j + 2 (u % 8) + {0, 1});
 - each thread takes 4 consecutive words of BLOCK_N / (rows per pass) rows; for each j, x's fp16 pairs of its 4 words
   are one 16-byte global load (L1/L2: x is 2-57 KB), shared by the thread's rows;
-- a word's 8 products go through the swap gemv's half2 PTX (`_gemv_word_dot_ptx`: lop3 into the fp16 mantissa,
+- a word's 8 products go through the swap gemv's half2 PTX (`gemv_word_dot_ptx`: lop3 into the fp16 mantissa,
   one fma to (q - z) / 64, half2 fmas with x, fp32 out); the 4 words of a thread share a group (64-input chunks lie
   in one group, group >= 64), so a thread's group scale multiplies their sum once.
 Split K over contiguous ranges of K tiles (longer DRAM runs per row than interleaved tiles); the partials are summed
-by the tile's last program in split order (w4a16_wgmma._store_tile, deterministic). fp16 only: bf16 has no mantissa
+by the tile's last program in split order (gluon_common.store_tile, deterministic). fp16 only: bf16 has no mantissa
 room for the odd nibble's 16 q (the Triton swap gemv serves bf16).
 
 Gluon has no CPU interpreter: the tests check the sm_90 compile; results against float64 are checked on the GPU
@@ -29,13 +29,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .w4a8 import dependent_launch_args
-from .w4a16 import split_buffers
-from .w4a16_swap import _gemv_word_dot_ptx, checked_layout
-from .w4a16_wgmma import _cta_barrier, _store_tile, _tma_load, _wait_for_prior_grid, _weight_box, aligned_16
+from .common import dependent_launch_args, gemv_word_dot_ptx, split_buffers
+from .gluon_common import aligned_16, cta_barrier, store_tile, tma_load, wait_for_prior_grid, weight_box
+from .layout import checked_layout
+from .spec import SMS_TO_FILL, KernelSpec, Problem, TileConfig
 
-_DOT = gl.constexpr(_gemv_word_dot_ptx(False))
-_DOT_ZEROS = gl.constexpr(_gemv_word_dot_ptx(True))
+_DOT = gl.constexpr(gemv_word_dot_ptx(False))
+_DOT_ZEROS = gl.constexpr(gemv_word_dot_ptx(True))
 # the ring's layout: unswizzled (a warp reads whole 16-byte runs of each row, so there are no bank conflicts to spread)
 WORDS_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
@@ -53,8 +53,8 @@ def _issue(w_desc, ring, bars, stage, off_n, t, N, pred):
     barrier."""
     bar = bars.index(stage)
     mbarrier.expect(bar, w_desc.block_type.nbytes, pred=pred)
-    row, col = _weight_box(w_desc, off_n, t * w_desc.block_type.shape[1], N)
-    _tma_load(w_desc, [row, col], bar, ring.index(stage), pred=pred)
+    row, col = weight_box(w_desc, off_n, t * w_desc.block_type.shape[1], N)
+    tma_load(w_desc, [row, col], bar, ring.index(stage), pred=pred)
 
 
 @gluon.jit
@@ -75,7 +75,7 @@ def _ring_take(w_desc, ring, bars, kt, off_n, first_tile, tiles, N, STAGES: gl.c
     stage = kt % STAGES
     mbarrier.wait(bars.index(stage), (kt // STAGES) & 1)
     words = ring.index(stage).load(LAYOUT)
-    _cta_barrier()  # every warp holds this tile in registers
+    cta_barrier()  # every warp holds this tile in registers
     _issue(w_desc, ring, bars, stage, off_n, first_tile + kt + STAGES, N, kt + STAGES < tiles)
     return words
 
@@ -134,8 +134,8 @@ def _w4a16_tma_gemv_kernel(w_desc, x_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
     x32_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + m * (K // 2)
 
     ring, bars = _ring_start(w_desc, off_n, first_tile, tiles, N, STAGES)
-    if PDL:  # launched early (w4a8.dependent_launch): the weight is in flight, x is the kernel before's to write
-        _wait_for_prior_grid()
+    if PDL:  # launched early (common.dependent_launch): the weight is in flight, x is the kernel before's to write
+        wait_for_prior_grid()
 
     x0, x1, x2, x3, s, z = _tile_params(x32_ptr, s_ptr, z_ptr, first_tile, N, rows, quads, lanes, GROUP, KW,
                                         PER_CHANNEL, HAS_ZEROS, layout)
@@ -159,8 +159,8 @@ def _w4a16_tma_gemv_kernel(w_desc, x_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_
         x0, x1, x2, x3, s, z = nxt
     _ring_end(bars, STAGES)
     out = gl.expand_dims(gl.sum(acc, axis=1), 1)  # [BLOCK_N, 1]: out^T of one token, divided by 64 (the PTX's)
-    _store_tile(out, out_ptr, part_ptr, count_ptr, bias_ptr, s_ptr, s_ptr, M, N, off_n, m, pid_k,
-                m * grid_n + pid_n, SPLIT_K, 64.0, IS_SPLIT, HAS_BIAS, PER_CHANNEL, False, BLOCK_N, 1, num_warps)
+    store_tile(out, out_ptr, part_ptr, count_ptr, bias_ptr, s_ptr, s_ptr, M, N, off_n, m, pid_k,
+               m * grid_n + pid_n, SPLIT_K, 64.0, IS_SPLIT, HAS_BIAS, PER_CHANNEL, False, BLOCK_N, 1, num_warps)
 
 
 def tma_gemv_fits(k: int, n: int, group_size: int, block_n: int, block_k: int, split: int) -> bool:
@@ -180,11 +180,11 @@ def _descriptor(packed: torch.Tensor, block_n: int, block_k: int) -> TensorDescr
 
 
 def w4a16_tma_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                   bias: torch.Tensor | None, group_size: int, config: dict) -> torch.Tensor:
+                   bias: torch.Tensor | None, group_size: int, config: TileConfig) -> torch.Tensor:
     """x [M, K] fp16 (M small: one program per token and tile), packed = repack_for_swap(qweight) [N, K/4] (or
     k_blocked), zeros [G, N] or None -> [M, N]."""
     m, k = x.shape
-    split, block_n, block_k = config["SPLIT_K"], config["BLOCK_N"], config["BLOCK_K"]
+    split, block_n, block_k = config.split_k, config.block_n, config.block_k
     n = checked_layout(packed, k, block_k, "tma gemv")
     if x.dtype != torch.float16:
         raise ValueError(f"tma gemv: fp16 activations only, got {x.dtype}")
@@ -199,6 +199,38 @@ def w4a16_tma_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
         _descriptor(packed, block_n, block_k), x, scales, zeros if zeros is not None else scales,
         bias if bias is not None else scales, out, part, counters, m, n, k, GROUP=group_size,
         PER_CHANNEL=group_size == k, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT_K=split,
-        IS_SPLIT=split > 1, STAGES=config["num_stages"], num_warps=config["num_warps"],
+        IS_SPLIT=split > 1, STAGES=config.num_stages, num_warps=config.num_warps,
         **dependent_launch_args(x.device))
     return out
+
+
+# (BLOCK_N, BLOCK_K, warps, stages). An H200 sweep of 41 tiles (M = 1 on six shapes, 2 and 4 on three): the first is
+# the best in 11 of the 12 cells, the second in the other (70B gate_up, 5% ahead). Two stages won: fewer shared-memory
+# bytes per program, more programs per SM. The third: 128-input tiles led on 8B qkv / o (2-6%) on the K-blocked layout.
+TMA_GEMV_TILES = ((128, 256, 4, 2), (64, 256, 4, 3), (128, 128, 4, 2))
+
+
+def tma_gemv_split(n: int, k: int, block_n: int, block_k: int) -> int:
+    """The largest power-of-two K split that divides the K tiles, leaves each split at least two of them and keeps
+    a token's programs within about four per SM (2 * SMS_TO_FILL); 1 if none. It picked the best measured split
+    for both TMA_GEMV_TILES on all six benchmark shapes but one tie (8B o, 64 rows)."""
+    tiles, split = k // block_k, 1
+    while tiles % (2 * split) == 0 and tiles // (2 * split) >= 2 and n // block_n * 2 * split <= 2 * SMS_TO_FILL:
+        split *= 2
+    return split
+
+
+def tma_gemv_candidates(p: Problem, tiles: tuple[tuple[int, int, int, int], ...] = TMA_GEMV_TILES
+                        ) -> list[TileConfig]:
+    """The TMA gemv's configs of these tiles (BLOCK_N, BLOCK_K, warps, stages) that fit the layer, at
+    tma_gemv_split and half of it."""
+    out = []
+    for bn, bk, warps, stages in tiles:
+        split = tma_gemv_split(p.n, p.k, bn, bk)
+        out += [TileConfig("tma_gemv", 1, bn, bk, s, warps, stages) for s in dict.fromkeys((split, max(1, split // 2)))
+                if tma_gemv_fits(p.k, p.n, p.group, bn, bk, s)]
+    return out
+
+
+SPECS = (KernelSpec("tma_gemv", "w4a16", "swap", tma_gemv_candidates, w4a16_tma_gemv, buckets=(1, 4), hopper=True,
+                    fp16=True),)

@@ -25,119 +25,30 @@ scaling epilogue kernel).
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
-from .autotune import GEMV_KERNELS
-from .w4a16 import (
+from .common import (
+    GEMV_KERNELS,
     MAGIC_F32,
-    _fp16_bits,
-    _gemv_program,
-    _gemv_weights,
-    _gemv_words,
-    _group_rows,
-    _half2_word_dots,
-    _interpreting,
-    _store_output,
+    ROUND_F32,
+    fp16_bits,
+    gemv_candidates,
+    gemv_program,
+    gemv_weights,
+    gemv_words,
+    group_rows,
+    half2_word_dots,
     half2_word_sums,
+    interpreting,
+    quantize_rows,
     split_buffers,
+    store_output,
+    tiled_candidates,
     unpacked_codes,
 )
-
-ROUND_F32 = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + ROUND_F32 rounds x to an integer (nearest-even) for |x| < 2**22
-
-
-ONE_PASS_K = 32768  # rows up to this long are held in registers: one read of x, one memory latency
-
-
-@triton.jit
-def _quantize_block(x, scale, xq_ptr, offs, mask):
-    """Stores round_half_even(x / scale) clamped to +-127 as int8; returns the int32 codes (0 where masked)."""
-    q = (tl.math.div_rn(x, scale) + ROUND_F32) - ROUND_F32
-    q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
-    tl.store(xq_ptr + offs, q.to(tl.int8), mask=mask)
-    return q
-
-
-@triton.jit
-def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, sum_ptr, K, SEGMENT, BLOCK: tl.constexpr, SEG_BLOCK: tl.constexpr,
-                          ONE_PASS: tl.constexpr, SEGMENTED: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # a dependent GEMM may start now: it waits for this grid (griddepcontrol.wait) before reading x
-        gdc_launch_dependents()
-    row, seg = tl.program_id(0), tl.program_id(1)
-    offs = tl.arange(0, BLOCK)
-    if ONE_PASS:  # the whole row in registers: one read of x, one memory latency
-        x = tl.load(x_ptr + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8), 127.0)
-        if SEGMENTED:  # every program of the row finds its max; each quantizes one segment (read again, from L1)
-            offs = seg * SEGMENT + tl.arange(0, SEG_BLOCK)
-            mask = (offs < K) & (tl.arange(0, SEG_BLOCK) < SEGMENT)
-            x = tl.load(x_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
-            total = _quantize_block(x, scale, xq_ptr + row * K, offs, mask)
-        else:
-            total = _quantize_block(x, scale, xq_ptr + row * K, offs, offs < K)
-    else:  # long rows: a max pass, then a quantizing pass
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            x = tl.load(x_ptr + row * K + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-8), 127.0)
-        total = tl.zeros((BLOCK,), dtype=tl.int32)
-        for k0 in range(0, K, BLOCK):
-            x = tl.load(x_ptr + row * K + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            total += _quantize_block(x, scale, xq_ptr + row * K + k0, offs, k0 + offs < K)
-    if seg == 0:
-        tl.store(scale_ptr + row, scale)
-    if not SEGMENTED:
-        tl.store(sum_ptr + row, tl.sum(total, axis=0))
-
-
-def row_segments(m: int, k: int) -> int:
-    """Programs per row for a few tokens: one program quantizing a whole row is bound by its SM (M = 1, K = 14336:
-    5.6 us on an H200; 14 programs of 1024 inputs each: 2.2 us, log_quantize_segments_2026-12-04.txt), so rows are
-    cut into segments of at least 1024 inputs, up to about 256 programs (each reads its whole row for the max)."""
-    return max(1, min(k // 1024, 256 // m))
-
-
-@functools.cache
-def dependent_launch(device: torch.device) -> bool:
-    """Whether the GEMMs are launched as programmatic dependents of the kernel before them (PDL, sm_90 on): W4A8's of
-    quantize_rows, which lets them start at once, W4A16's TMA kernels of whatever wrote x (which, not asking for it,
-    lets them start as its last programs leave). Their programs then run their launch, prologue and the weight
-    ring's first tiles early and wait for that kernel only before reading x. QUANTKIT_PDL=0 turns it off."""
-    return (device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device) >= (9, 0)
-            and os.environ.get("QUANTKIT_PDL", "1") != "0")
-
-
-def dependent_launch_args(device: torch.device) -> dict:
-    """Launch keywords of a GEMM launched as a programmatic dependent: the kernel's PDL constexpr (wait for the kernel
-    before reading x, and before any write) and Triton's launch_pdl, always together: a kernel launched early that
-    did not wait would race."""
-    return dict(PDL=True, launch_pdl=True) if dependent_launch(device) else dict(PDL=False)
-
-
-def quantize_rows(x: torch.Tensor, one_pass_k: int = ONE_PASS_K, sums: bool = True, segments: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """x [M, K] -> (int8 [M, K], fp32 token scales [M], int32 sums of the int8 rows [M], or None without `sums`).
-    Without sums, rows held in registers are quantized in `segments` programs each (default: row_segments).
-    On dependent_launch devices the kernel lets the next launch start early (which waits for it, see there)."""
-    m, k = x.shape
-    xq = torch.empty(m, k, dtype=torch.int8, device=x.device)
-    scale = torch.empty(m, dtype=torch.float32, device=x.device)
-    total = torch.empty(m, dtype=torch.int32, device=x.device)  # written only when a program takes a whole row
-    one_pass = k <= one_pass_k
-    segments = (segments or row_segments(m, k)) if one_pass and not sums else 1
-    segment = -(-k // segments // 256) * 256  # 512-byte aligned segment starts
-    block = triton.next_power_of_2(k) if one_pass else 4096
-    _quantize_rows_kernel[(m, -(-k // segment))](
-        x, xq, scale, total, k, segment, BLOCK=block, SEG_BLOCK=triton.next_power_of_2(segment), ONE_PASS=one_pass,
-        SEGMENTED=segment < k, PDL=dependent_launch(x.device), num_warps=max(4, min(16, block // 1024)))
-    return xq, scale, total if sums else None
+from .spec import M_BUCKETS, KernelSpec, TileConfig
 
 
 @triton.jit
@@ -181,7 +92,7 @@ def _w4a8_gemm_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, b
         k0 = t * BLOCK_K
         words = tl.load(qw_ptr + (k0 // 8 + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
         if TWO_LEVEL:
-            s, z = _group_rows(gs_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS, SLICED)
+            s, z = group_rows(gs_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS, SLICED)
         else:
             s, z = 1.0, 0.0
         if SLICED:  # 8 dots of K = ROWS on nibble slices (see w4a16's _sliced_tile): no reshape per tile
@@ -203,14 +114,14 @@ def _w4a8_gemm_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, b
     ts = tl.load(ts_ptr + offs_m, mask=m_mask, other=0.0)
     cs = tl.load(cs_ptr + offs_n, mask=n_mask, other=0.0)
     out = acc.to(tl.float32) * ts[:, None] * cs[None, :]
-    _store_output(out, out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid, SPLIT_K,
-                  SPLIT_K > 1, HAS_BIAS)
+    store_output(out, out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid, SPLIT_K,
+                 SPLIT_K > 1, HAS_BIAS)
 
 
 @triton.jit
 def _fp16_pair(xq_ptr, offs, j: tl.constexpr):
     """int8 x[offs + j] and x[offs + j + 4] as one fp16x2 word (int8 values are exact in fp16)."""
-    return _fp16_bits(tl.load(xq_ptr + offs + j)) | (_fp16_bits(tl.load(xq_ptr + offs + j + 4)) << 16)
+    return fp16_bits(tl.load(xq_ptr + offs + j)) | (fp16_bits(tl.load(xq_ptr + offs + j + 4)) << 16)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
@@ -221,25 +132,25 @@ def _w4a8_gemv_kernel(xq_ptr, ts_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, o
     """Decode GEMV on int8 activations, grid and split as w4a16's gemv. HALF2 (CUDA): w4a16's packed half2
     word dots on the int8 values (exact in fp16; each word's 4 + 4 products summed in fp16, |sum| < 2**16),
     with QQQ's fp16 rounding of the two-level weights; else fp32 FMAs on the exact int8 products."""
-    m, pid_k, tile, offs_n, n_mask, rows = _gemv_program(N, BLOCK_N, BLOCK_K)
+    m, pid_k, tile, offs_n, n_mask, rows = gemv_program(N, BLOCK_N, BLOCK_K)
     ROWS: tl.constexpr = BLOCK_K // 8
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     last = K // BLOCK_K - 1
     # per channel (GROUP = K): one zero point for all of K, scale in the epilogue; two-level: the group scales
     # per tile. Register prefetch of the next K tile's weights and scales, as in w4a16's gemv.
-    words, s, z = _gemv_weights(qw_ptr, gs_ptr if TWO_LEVEL else cs_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, n_mask,
-                                rows, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
+    words, s, z = gemv_weights(qw_ptr, gs_ptr if TWO_LEVEL else cs_ptr, z_ptr, pid_k * BLOCK_K, N, offs_n, n_mask,
+                               rows, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0, k_next = t * BLOCK_K, tl.minimum(t + SPLIT_K, last) * BLOCK_K  # the last tile re-reads itself
-        words_next = _gemv_words(qw_ptr, k_next, N, offs_n, n_mask, rows)  # per channel: s, z stay
+        words_next = gemv_words(qw_ptr, k_next, N, offs_n, n_mask, rows)  # per channel: s, z stay
         if TWO_LEVEL:
-            s_next, z_next = _group_rows(gs_ptr, z_ptr, k_next, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS,
-                                         True)
+            s_next, z_next = group_rows(gs_ptr, z_ptr, k_next, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS,
+                                        True)
         x_offs = m * K + k0 + 8 * rows
         if HALF2:
-            acc += _half2_word_dots(_fp16_pair(xq_ptr, x_offs, 0), _fp16_pair(xq_ptr, x_offs, 1),
-                                    _fp16_pair(xq_ptr, x_offs, 2), _fp16_pair(xq_ptr, x_offs, 3), words, z, s,
-                                    HAS_ZEROS, TWO_LEVEL)
+            acc += half2_word_dots(_fp16_pair(xq_ptr, x_offs, 0), _fp16_pair(xq_ptr, x_offs, 1),
+                                   _fp16_pair(xq_ptr, x_offs, 2), _fp16_pair(xq_ptr, x_offs, 3), words, z, s,
+                                   HAS_ZEROS, TWO_LEVEL)
         else:
             for j in tl.static_range(8):
                 x = tl.load(xq_ptr + x_offs + j).to(tl.float32)
@@ -251,8 +162,8 @@ def _w4a8_gemv_kernel(xq_ptr, ts_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, bias_ptr, o
         if TWO_LEVEL:
             s, z = s_next, z_next
     out = tl.sum(acc, axis=0) * tl.load(ts_ptr + m) * tl.load(cs_ptr + offs_n, mask=n_mask, other=0.0)
-    _store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
-                  tile, SPLIT_K, IS_SPLIT, HAS_BIAS)
+    store_output(out[None, :], out_ptr, part_ptr, count_ptr, bias_ptr, m + tl.arange(0, 1), offs_n, M, N, pid_k,
+                 tile, SPLIT_K, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -266,7 +177,7 @@ def _int8_weight_kernel(qw_ptr, gs_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr,
     ROWS: tl.constexpr = BLOCK_K // 8
     words = tl.load(qw_ptr + (k0 // 8 + tl.arange(0, ROWS))[:, None] * N + offs_n[None, :],
                     mask=n_mask[None, :], other=0)
-    s, z = _group_rows(gs_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
+    s, z = group_rows(gs_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
     if TWO_LEVEL:
         w = _int8_tile(words, s, z, True)
     else:  # per-channel: fold the zero point in (q - z fits int8)
@@ -320,7 +231,7 @@ def int8_weight(qweight: torch.Tensor, group_scales: torch.Tensor | None, zeros:
 
 def w4a8_matmul(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
                 group_scales: torch.Tensor | None, zeros: torch.Tensor | None, bias: torch.Tensor | None,
-                group_size: int, config: dict) -> torch.Tensor:
+                group_size: int, config: TileConfig) -> torch.Tensor:
     """x [M, K] fp16/bf16 contiguous -> [M, N] in x's dtype.
 
     channel_scales fp32 [N]; group_scales [G, N] (two-level) or None (per-channel, G == 1); zeros uint8
@@ -328,34 +239,45 @@ def w4a8_matmul(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Te
     """
     m, k = x.shape
     n = qweight.shape[1]
-    xq, ts, xsum = quantize_rows(x, sums=config["kernel"] in ("gemm", "gemm_sliced") and group_scales is None)
+    xq, ts, xsum = quantize_rows(x, sums=config.kernel in ("gemm", "gemm_sliced") and group_scales is None)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if config["kernel"] == "int_mm":
+    if config.kernel == "int_mm":
         acc = torch._int_mm(xq, int8_weight(qweight, group_scales, zeros, group_size).t())
         block = 1024
         _scale_epilogue_kernel[(triton.cdiv(m * n, block),)](
             acc, ts, channel_scales, bias if bias is not None else ts, out, m, n, HAS_BIAS=bias is not None,
             BLOCK=block, num_warps=4)
         return out
-    split = config["SPLIT_K"]
+    split = config.split_k
     zeros_arg = zeros if zeros is not None else qweight
     bias_arg = bias if bias is not None else channel_scales
     flags = dict(GROUP=group_size, TWO_LEVEL=group_scales is not None, HAS_ZEROS=zeros is not None,
-                 HAS_BIAS=bias is not None, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-                 num_warps=config["num_warps"], num_stages=config["num_stages"])
-    if config["kernel"] in GEMV_KERNELS:
-        grid = (m, triton.cdiv(n, config["BLOCK_N"]), split)
+                 HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                 num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.kernel in GEMV_KERNELS:
+        grid = (m, triton.cdiv(n, config.block_n), split)
         part, counters = split_buffers(split, m, n, m * grid[1], x.device) if split > 1 else (out, out)
         _w4a8_gemv_kernel[grid](
             xq, ts, qweight, channel_scales, group_scales if group_scales is not None else channel_scales,
             zeros_arg, bias_arg, out, part, counters, m, n, k, SPLIT_K=split, IS_SPLIT=split > 1,
-            HALF2=config["kernel"] == "gemv_h2" and not _interpreting(), **flags)
+            HALF2=config.kernel == "gemv_h2" and not interpreting(), **flags)
         return out
-    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
     part, counters = split_buffers(split, m, n, grid[0], x.device) if split > 1 else (out, out)
     _w4a8_gemm_kernel[grid](
         xq, ts, xsum if xsum is not None else ts, qweight, channel_scales,
         group_scales if group_scales is not None else channel_scales,
-        zeros_arg, bias_arg, out, part, counters, m, n, k, BLOCK_M=config["BLOCK_M"], SPLIT_K=split,
-        SLICED=config["kernel"] == "gemm_sliced", **flags)
+        zeros_arg, bias_arg, out, part, counters, m, n, k, BLOCK_M=config.block_m, SPLIT_K=split,
+        SLICED=config.kernel == "gemm_sliced", **flags)
     return out
+
+
+SLICED_LEAST_BLOCK_K = 8 * 32  # each of the 8 nibble slices is one int8 dot of K = BLOCK_K / 8 >= 32
+SPECS = (
+    KernelSpec("gemv_h2", "w4a8", "plain", gemv_candidates("gemv_h2"), w4a8_matmul, buckets=(1, 4)),
+    KernelSpec("gemv", "w4a8", "plain", gemv_candidates("gemv"), w4a8_matmul, buckets=(1, 4)),
+    KernelSpec("gemm", "w4a8", "plain", tiled_candidates("gemm", 64), w4a8_matmul),  # int8 dots take K 32; 64 keeps them fed
+    KernelSpec("gemm_sliced", "w4a8", "plain", tiled_candidates("gemm_sliced", SLICED_LEAST_BLOCK_K), w4a8_matmul),
+    KernelSpec("int_mm", "w4a8", "plain", lambda p: [TileConfig("int_mm")], w4a8_matmul,
+               buckets=(256, M_BUCKETS[-1]), tiled=False),
+)

@@ -1,7 +1,7 @@
 """W4A8 GEMM on Hopper: out^T = W x_int8^T on int8 wgmma, with the int4 weight as the register operand.
 
 The W4A8 sibling of w4a16_swap.py (read its doc first): the weight fills wgmma's 64-row side from registers,
-the per-token int8 activations (w4a8.quantize_rows) its N side from shared memory, both cp.async-pipelined.
+the per-token int8 activations (common.quantize_rows) its N side from shared memory, both cp.async-pipelined.
 Int8 wgmma takes K = 32 per instruction, so the weight's own layout has two slices of 32 inputs per 64-input
 chunk: int8 [N, K/2], byte (n, t) holding input 64 (t // 32) + t % 32 in its high nibble and input
 64 (t // 32) + 32 + t % 32 in its low one, each as q - 8 in 4-bit two's complement (q xor 8). A nibble in
@@ -16,8 +16,8 @@ Tiles of EXACT_FROM_M tokens or more make it in registers with one multiply-add 
 next, and xor 0x80 per byte leaves the int8 (q - 8) k; the int32 accumulator then runs over all of K as per channel.
 Smaller tiles accumulate each K tile's 16 (q - 8) x into its own int32 tile, shifted back by 4 and multiplied by k
 exactly (fewer instructions per slice, one drain per K tile). Epilogue: token scale x channel scale (/ 16 for
-16 (q - 8) weights), bias, fused split-K (w4a16's `_store_output`). Symmetric weights only (zero 8). On sm_90 the kernel is
-launched as quantize_rows' programmatic dependent (w4a8.dependent_launch) and waits for it before anything else.
+16 (q - 8) weights), bias, fused split-K (common.store_output). Symmetric weights only (zero 8). On sm_90 the kernel is
+launched as quantize_rows' programmatic dependent (common.dependent_launch) and waits for it before anything else.
 """
 
 from __future__ import annotations
@@ -29,35 +29,36 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from .w4a8 import dependent_launch_args, quantize_rows
-from .w4a16 import _interpreting, _store_output, split_buffers
-from .w4a16_swap import _CHUNK, CHUNK, _block_start, _swap_program, checked_layout, pack_nibble_slices
+from .common import (
+    CHUNK_TL,
+    EXACT_FROM_M,
+    HIGH_SLICE_K_PTX,
+    HIGH_SLICE_PTX,
+    LOW_SLICE_K_PTX,
+    LOW_SLICE_PTX,
+    MAX_K,
+    MMA_SYNC_TILES,
+    SLICE_K_CONSTRAINTS,
+    block_start,
+    dependent_launch_args,
+    interpreting,
+    quantize_rows,
+    require_symmetric,
+    split_buffers,
+    store_output,
+    swap_program,
+    swap_tile_candidates,
+)
+from .layout import CHUNK, checked_layout
+from .spec import KernelSpec, TileConfig
 
 RUN = 32  # contiguous inputs per slice: int8 wgmma's K
 _RUN = tl.constexpr(RUN)
-MAX_K = 2**31 // (127 * 128)  # the int32 accumulator of 127 * 16 (q - 8) products stays exact up to this K
-EXACT_FROM_M = tl.constexpr(64)  # two-level tiles of this many tokens or more take the exact int8 (q - 8) k slices
-_HIGH = tl.constexpr("and.b32 $0, $1, 0xF0F0F0F0;")
-_LOW = tl.constexpr("{\n.reg .b32 t;\nshl.b32 t, $1, 4;\nand.b32 $0, t, 0xF0F0F0F0;\n}")
-# Two-level: $1 four weight bytes, $2 the row's k, $6 (128 - 8 k) * 0x01010101 (k and c come once per weight: pack 4)
-# -> the int8 (q - 8) k of the high (u = (b >> 4) & 0xF ^ 8) or low (u = b & 0xF ^ 8) nibbles; lop3 0x6A = (a & b) ^ c
-_TIMES_K = "mad.lo.u32 t, u, $2, $6;\nxor.b32 $0, t, 0x80808080;\n}"
-_HIGH_K = tl.constexpr("{\n.reg .b32 t, u;\nshr.b32 t, $1, 4;\nlop3.b32 u, t, 0x0F0F0F0F, 0x08080808, 0x6A;\n"
-                       + _TIMES_K)
-_LOW_K = tl.constexpr("{\n.reg .b32 t, u;\nlop3.b32 u, $1, 0x0F0F0F0F, 0x08080808, 0x6A;\n" + _TIMES_K)
-_K_CONSTRAINTS = tl.constexpr("=r,r" + ",r" * 8)
-
-
-def repack_for_w4a8_swap(qweight: torch.Tensor, columns: int = 1024) -> torch.Tensor:
-    """QuantLinear's int32 [K/8, N] -> this kernel's int8 [N, K/2] (see module doc)."""
-    return pack_nibble_slices(qweight, (4, 0), torch.int8, xor=8, columns=columns)
-
-
 @triton.jit
 def _slice(b, j: tl.constexpr, PTX: tl.constexpr):
     """Slice j of the int8 weight tile as 16 (q - 8): elementwise, so it stays in wgmma's register layout."""
     if PTX:  # four bytes per instruction
-        return tl.inline_asm_elementwise(_HIGH if j == 0 else _LOW, "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(HIGH_SLICE_PTX if j == 0 else LOW_SLICE_PTX, "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
     return b & -16 if j == 0 else b << 4
 
 
@@ -65,7 +66,7 @@ def _slice(b, j: tl.constexpr, PTX: tl.constexpr):
 def _slice_times_k(b, k, c, j: tl.constexpr, PTX: tl.constexpr):
     """Slice j as QQQ's int8 (q - 8) k; k (int32, 0..16) and c = (128 - 8 k) * 0x01010101 broadcast along rows."""
     if PTX:
-        return tl.inline_asm_elementwise(_HIGH_K if j == 0 else _LOW_K, _K_CONSTRAINTS, [b, k, c], dtype=tl.int8,
+        return tl.inline_asm_elementwise(HIGH_SLICE_K_PTX if j == 0 else LOW_SLICE_K_PTX, SLICE_K_CONSTRAINTS, [b, k, c], dtype=tl.int8,
                                          is_pure=True, pack=4)
     return ((_slice(b, j, PTX) >> 4) * k).to(tl.int8)
 
@@ -77,16 +78,16 @@ def _w4a8_swap_kernel(xq_ptr, ts_ptr, b_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, 
                       PDL: tl.constexpr):
     if PDL:  # launched while quantize_rows runs: wait for its x and token scales
         gdc_wait()
-    pid, pid_k, offs_m, offs_n = _swap_program(M, BLOCK_M, BLOCK_N)
+    pid, pid_k, offs_m, offs_n = swap_program(M, BLOCK_M, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_K // 2)
     b_ptrs = b_ptr + offs_n[:, None] * W + offs_t[None, :]  # W: bytes per row of the plain or k_blocked layout
-    x_ptrs = xq_ptr + offs_m[None, :] * K + ((offs_t // _RUN) * _CHUNK + offs_t % _RUN)[:, None]  # slice 0, [BK/2, BM]
+    x_ptrs = xq_ptr + offs_m[None, :] * K + ((offs_t // _RUN) * CHUNK_TL + offs_t % _RUN)[:, None]  # slice 0, [BK/2, BM]
     m_mask = offs_m[None, :] < M
     exact: tl.constexpr = TWO_LEVEL and BLOCK_M >= EXACT_FROM_M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     for kt in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0 = kt * BLOCK_K
-        b = tl.load(b_ptrs + _block_start(k0 // 2, W, N, BLOCK_K // 2))
+        b = tl.load(b_ptrs + block_start(k0 // 2, W, N, BLOCK_K // 2))
         if TWO_LEVEL:  # the group's integer multipliers, one per row
             k = tl.load(gs_ptr + (k0 // GROUP) * N + offs_n).to(tl.int32)[:, None]
             c = k * -134744072 + -2139062144  # (128 - 8 k) * 0x01010101, in wrapping int32 arithmetic
@@ -101,8 +102,8 @@ def _w4a8_swap_kernel(xq_ptr, ts_ptr, b_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr, 
             acc = tile
     out = acc.to(tl.float32) * tl.load(cs_ptr + offs_n)[:, None]
     out *= tl.load(ts_ptr + offs_m, mask=offs_m < M, other=0.0)[None, :] * (1.0 if TWO_LEVEL else 0.0625)
-    _store_output(tl.trans(out), out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid,
-                  SPLIT_K, SPLIT_K > 1, HAS_BIAS)
+    store_output(tl.trans(out), out_ptr, part_ptr, count_ptr, bias_ptr, offs_m, offs_n, M, N, pid_k, pid,
+                 SPLIT_K, SPLIT_K > 1, HAS_BIAS)
 
 
 def w4a8_swap_supported(k: int, n: int, group_size: int, symmetric: bool,
@@ -117,12 +118,14 @@ def w4a8_swap_supported(k: int, n: int, group_size: int, symmetric: bool,
 
 
 def w4a8_swap_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: torch.Tensor,
-                     group_scales: torch.Tensor | None, bias: torch.Tensor | None, group_size: int,
-                     config: dict) -> torch.Tensor:
+                     group_scales: torch.Tensor | None, zeros: torch.Tensor | None, bias: torch.Tensor | None,
+                     group_size: int, config: TileConfig) -> torch.Tensor:
     """x [M, K] fp16/bf16 contiguous, packed = repack_for_w4a8_swap(qweight) (or k_blocked), channel_scales fp32
-    [N], group_scales [G, N] integers in 0..16 (two-level) or None (per channel) -> [M, N] in x's dtype."""
+    [N], group_scales [G, N] integers in 0..16 (two-level) or None (per channel), zeros None (symmetric weights
+    only) -> [M, N] in x's dtype."""
+    require_symmetric(zeros, "w4a8 swap kernel")
     m, k = x.shape
-    split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    split, block_m, block_n, block_k = config.split_k, config.block_m, config.block_n, config.block_k
     n = checked_layout(packed, k, block_k, "w4a8 swap kernel")
     two_level = group_scales is not None and group_size != k
     if k % block_k or n % block_n or block_k % CHUNK or (two_level and group_size % block_k):
@@ -138,6 +141,17 @@ def w4a8_swap_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: torc
         xq, ts, packed, channel_scales, group_scales if two_level else channel_scales,
         bias if bias is not None else channel_scales, out, part, counters, m, n, k, packed.shape[1], GROUP=group_size,
         TWO_LEVEL=two_level, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, PTX=not _interpreting(), num_warps=config["num_warps"], num_stages=config["num_stages"],
+        SPLIT_K=split, PTX=not interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
         **dependent_launch_args(x.device))
     return out
+
+
+# (BM, BN, BK, warps, stages). On the H200 BLOCK_K 256 never won; at M = 128..512 a 128-token tile (wgmma N 128) beat
+# int8 cuBLAS on 4 of 6 shapes at M = 256 and lost from M = 1024 on; BLOCK_M 256 always lost (0.1-0.5x).
+SWAP_TILES = ((16, 128, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 128, 4, 4), (32, 128, 128, 4, 4),
+              (32, 64, 128, 4, 4), (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3)) + MMA_SYNC_TILES
+
+SPECS = (
+    KernelSpec("swap", "w4a8", "swap", lambda p: swap_tile_candidates(p, SWAP_TILES), w4a8_swap_matmul,
+               buckets=(1, 512)),
+)

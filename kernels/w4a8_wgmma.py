@@ -2,8 +2,8 @@
 
 The W4A8 sibling of w4a16_wgmma.py (read it first), on w4a8_swap.py's int8 [N, K/2] layout (two slices of 32 inputs
 per 64-input chunk, a nibble already being the int8 16 (q - 8) in the high half of a byte: `and` or `shl` + `and`
-per four weights). Per-token int8 activations come from w4a8.quantize_rows; x's int8 tile is TMA'd as boxes of
-[BLOCK_M, 64]. On sm_90 the kernel is launched as quantize_rows' programmatic dependent (w4a8.dependent_launch): its
+per four weights). Per-token int8 activations come from common.quantize_rows; x's int8 tile is TMA'd as boxes of
+[BLOCK_M, 64]. On sm_90 the kernel is launched as quantize_rows' programmatic dependent (common.dependent_launch): its
 ring's first weight tiles are issued before it waits for that kernel (griddepcontrol.wait), x's after. Each slice is
 one async int8 wgmma (K = 32) followed by `wait_group 1`.
 Per channel the slices are 16 (q - 8) and the int32 accumulator runs over all of K (epilogue x channel scale x token
@@ -11,8 +11,7 @@ scale / 16). Two-level (QQQ, integer group multipliers k in 0..16, a K tile insi
 - tiles of 64 tokens or more: the slices are QQQ's int8 weights (q - 8) k, made by a multiply-add per four weights
   from the K tile's k of each row, and the accumulator runs over all of K as per channel;
 - fewer tokens: each K tile accumulates 16 (q - 8) x into its own int32 tile, drained (`wait_group 0`) and added as
-  (tile >> 4) k; cheaper there, where a slice's mma is small next to its dequantization (H200 A/B in
-  benchmarks/KERNELS.md).
+  (tile >> 4) k; cheaper there, where a slice's mma is small next to its dequantization (an H200 A/B).
 """
 
 from __future__ import annotations
@@ -22,21 +21,34 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .w4a8 import dependent_launch_args, quantize_rows
-from .w4a8_swap import _HIGH, _HIGH_K, _K_CONSTRAINTS, _LOW, _LOW_K, EXACT_FROM_M, MAX_K
-from .w4a16 import split_buffers
-from .w4a16_swap import _CHUNK, CHUNK, checked_layout
-from .w4a16_wgmma import (
-    _ahead,
-    _cta_barrier,
-    _issue_tile,
-    _start_program,
-    _store_tile,
-    _unit,
+from .common import (
+    CHUNK_TL,
+    EXACT_FROM_M,
+    HIGH_SLICE_K_PTX,
+    HIGH_SLICE_PTX,
+    LOW_SLICE_K_PTX,
+    LOW_SLICE_PTX,
+    MAX_K,
+    SLICE_K_CONSTRAINTS,
+    dependent_launch_args,
+    quantize_rows,
+    require_symmetric,
+    split_buffers,
+)
+from .gluon_common import (
+    cta_barrier,
     descriptor,
     device_unit_band,
+    issue_tile,
     launch_grid,
+    start_program,
+    store_tile,
+    tile_ahead,
+    unit_coords,
+    wgmma_candidates,
 )
+from .layout import CHUNK, checked_layout
+from .spec import KernelSpec, TileConfig
 
 
 @gluon.jit
@@ -44,9 +56,9 @@ def _slice(b, k, c, j: gl.constexpr, TWO_LEVEL: gl.constexpr):
     """Slice j (0: high nibbles, inputs 0..31 of a chunk; 1: low, 32..63) of the int8 weight tile: 16 (q - 8), or
     (two-level) (q - 8) k with k and c = (128 - 8 k) * 0x01010101 broadcast along the rows."""
     if TWO_LEVEL:
-        return gl.inline_asm_elementwise(_HIGH_K if j == 0 else _LOW_K, _K_CONSTRAINTS, [b, k, c], dtype=gl.int8,
+        return gl.inline_asm_elementwise(HIGH_SLICE_K_PTX if j == 0 else LOW_SLICE_K_PTX, SLICE_K_CONSTRAINTS, [b, k, c], dtype=gl.int8,
                                          is_pure=True, pack=4)
-    return gl.inline_asm_elementwise(_HIGH if j == 0 else _LOW, "=r,r", [b], dtype=gl.int8, is_pure=True, pack=4)
+    return gl.inline_asm_elementwise(HIGH_SLICE_PTX if j == 0 else LOW_SLICE_PTX, "=r,r", [b], dtype=gl.int8, is_pure=True, pack=4)
 
 
 @gluon.jit(do_not_specialize=["M", "SPLIT_K"])
@@ -57,7 +69,7 @@ def _w4a8_wgmma_kernel(x_desc, w_desc, ts_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = 2 * w_desc.block_type.shape[1]
-    CHUNKS: gl.constexpr = BLOCK_K // _CHUNK
+    CHUNKS: gl.constexpr = BLOCK_K // CHUNK_TL
     DRAIN: gl.constexpr = TWO_LEVEL and BLOCK_M < EXACT_FROM_M
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 32])
@@ -69,15 +81,15 @@ def _w4a8_wgmma_kernel(x_desc, w_desc, ts_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr
         rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
 
     # PDL: launched while quantize_rows runs; the ring's first weight tiles load before waiting for its x
-    units, tiles, grid_n, grid_m, w_smem, x_smem, bars = _start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K,
+    units, tiles, grid_n, grid_m, w_smem, x_smem, bars = start_program(w_desc, x_desc, M, N, K, SPLIT_K, BLOCK_K,
                                                                          STAGES, BAND, PDL)
     pid, programs = gl.program_id(0), gl.num_programs(0)
     # zeroed once: a unit's first mma ignores it (use_acc); see w4a16_wgmma.py (ptxas's C7515)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, acc_layout)
     f = 0
     for u in range(pid, units, programs):
-        off_n, off_m, pid_k, out_tile = _unit(u, units, grid_n, grid_m, BLOCK_N, BLOCK_M, BAND)
-        nxt_n, nxt_m, nxt_k, _ = _unit(u + programs, units, grid_n, grid_m, BLOCK_N, BLOCK_M, BAND)
+        off_n, off_m, pid_k, out_tile = unit_coords(u, units, grid_n, grid_m, BLOCK_N, BLOCK_M, BAND)
+        nxt_n, nxt_m, nxt_k, _ = unit_coords(u + programs, units, grid_n, grid_m, BLOCK_N, BLOCK_M, BAND)
         more = u + programs < units
         if DRAIN:  # there acc is no mma's accumulator
             acc = gl.zeros_like(acc)
@@ -106,29 +118,30 @@ def _w4a8_wgmma_kernel(x_desc, w_desc, ts_ptr, cs_ptr, gs_ptr, bias_ptr, out_ptr
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                     if ch == 0 and j == 0:  # the previous iteration's mmas are done: its stage takes f + STAGES - 1
                         if num_warps > 4:
-                            _cta_barrier()
-                        n_, m_, k_, kt_ = _ahead(kt, STAGES - 1, tiles, (off_n, off_m, pid_k), (nxt_n, nxt_m, nxt_k))
-                        _issue_tile(w_desc, x_desc, w_smem, x_smem, bars, (f + STAGES - 1) % STAGES, n_, m_,
-                                    (k_ + kt_ * SPLIT_K) * BLOCK_K, N, more | (kt + STAGES - 1 < tiles), CHUNKS)
+                            cta_barrier()
+                        n_, m_, k_, kt_ = tile_ahead(kt, STAGES - 1, tiles, (off_n, off_m, pid_k), (nxt_n, nxt_m, nxt_k))
+                        issue_tile(w_desc, x_desc, w_smem, x_smem, bars, (f + STAGES - 1) % STAGES, n_, m_,
+                                   (k_ + kt_ * SPLIT_K) * BLOCK_K, N, more | (kt + STAGES - 1 < tiles), CHUNKS)
             if DRAIN:  # 16 (q - 8) . x is divisible by 16: shifted back exactly, times the group's multiplier
                 tile = warpgroup_mma_wait(num_outstanding=0, deps=(tile,))
                 acc += (tile >> 4) * k
             f += 1
         if not DRAIN:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _store_tile(acc, out_ptr, part_ptr, count_ptr, bias_ptr, cs_ptr, ts_ptr, M, N, off_n, off_m, pid_k, out_tile,
-                    SPLIT_K, 1.0 if TWO_LEVEL else 0.0625, IS_SPLIT, HAS_BIAS, True, True, BLOCK_N, BLOCK_M,
-                    num_warps)
+        store_tile(acc, out_ptr, part_ptr, count_ptr, bias_ptr, cs_ptr, ts_ptr, M, N, off_n, off_m, pid_k, out_tile,
+                   SPLIT_K, 1.0 if TWO_LEVEL else 0.0625, IS_SPLIT, HAS_BIAS, True, True, BLOCK_N, BLOCK_M,
+                   num_warps)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
 
 def w4a8_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: torch.Tensor,
-                      group_scales: torch.Tensor | None, bias: torch.Tensor | None, group_size: int,
-                      config: dict) -> torch.Tensor:
+                      group_scales: torch.Tensor | None, zeros: torch.Tensor | None, bias: torch.Tensor | None,
+                      group_size: int, config: TileConfig) -> torch.Tensor:
     """As w4a8_swap_matmul (same layout and arguments), on the Gluon kernel."""
+    require_symmetric(zeros, "w4a8 wgmma kernel")
     m, k = x.shape
-    split, block_m, block_n, block_k = config["SPLIT_K"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    split, block_m, block_n, block_k = config.split_k, config.block_m, config.block_n, config.block_k
     n = checked_layout(packed, k, block_k, "w4a8 wgmma kernel")
     two_level = group_scales is not None and group_size != k
     if k > MAX_K:
@@ -143,6 +156,22 @@ def w4a8_wgmma_matmul(x: torch.Tensor, packed: torch.Tensor, channel_scales: tor
         descriptor(xq, [block_m, CHUNK]), descriptor(packed, [block_n, block_k // 2]), ts, channel_scales,
         group_scales if two_level else channel_scales, bias if bias is not None else channel_scales, out, part,
         counters, m, n, k, GROUP=group_size, TWO_LEVEL=two_level, HAS_BIAS=bias is not None, SPLIT_K=split,
-        IS_SPLIT=split > 1, STAGES=config["num_stages"], BAND=device_unit_band(n, block_n, x.device),
-        num_warps=config["num_warps"], **dependent_launch_args(x.device))
+        IS_SPLIT=split > 1, STAGES=config.num_stages, BAND=device_unit_band(n, block_n, x.device),
+        num_warps=config.num_warps, **dependent_launch_args(x.device))
     return out
+
+
+# By M bucket: (BM, BN, BK, warps, stages), BK 128 (a K tile inside a QQQ group of 128). From 256 tokens also 8-warp
+# 128 x 128 tiles, which ptxas fits without spills since the kernels stopped serializing their wgmmas.
+WGMMA_TILES = {
+    8: ((8, 128, 128, 4, 4), (8, 256, 128, 8, 4), (8, 64, 128, 4, 6)),
+    16: ((16, 128, 128, 4, 4), (16, 256, 128, 4, 4), (16, 128, 128, 4, 6), (16, 256, 128, 8, 4)),
+    32: ((32, 128, 128, 4, 4), (32, 256, 128, 8, 4)),
+    64: ((64, 128, 128, 4, 4), (64, 256, 128, 4, 4), (64, 256, 128, 8, 3), (64, 64, 128, 4, 4)),
+    128: ((128, 128, 128, 4, 3), (64, 256, 128, 8, 3), (128, 64, 128, 4, 4)),
+    256: ((128, 128, 128, 4, 3), (128, 64, 128, 4, 4), (64, 256, 128, 8, 3), (128, 128, 128, 8, 4),
+          (128, 256, 128, 8, 3)),  # int8 wgmma: N <= 224
+}
+
+SPECS = (KernelSpec("wgmma", "w4a8", "swap", wgmma_candidates(WGMMA_TILES), w4a8_wgmma_matmul, buckets=(1, 4096),
+                    hopper=True),)

@@ -163,13 +163,16 @@ class QuantConfig:
         return cls(**scheme, options=_options_class(method).from_dict(options))
 
 
-def _options_class(method: str) -> type[MethodOptions]:
-    from quantkit.quantizers.base import method_class  # the registry imports this module
+# method name -> its options class, filled by quantkit.quantizers.base.register (the package's __init__ imports
+# the built-in methods, so they are here whenever quantkit is imported)
+METHOD_OPTIONS: dict[str, type[MethodOptions]] = {}
 
-    return method_class(method).options_class
+
+def _options_class(method: str) -> type[MethodOptions]:
+    if method not in METHOD_OPTIONS:
+        raise QuantizationError(f"unknown method {method!r}; available: {', '.join(sorted(METHOD_OPTIONS))}")
+    return METHOD_OPTIONS[method]
 
 
 def _all_option_keys() -> set[str]:
-    from quantkit.quantizers.base import registered_methods
-
-    return {key for cls in registered_methods().values() for key in cls.options_class.accepted_keys()}
+    return {key for cls in METHOD_OPTIONS.values() for key in cls.accepted_keys()}

@@ -13,8 +13,7 @@ from torch import nn
 from quantkit.config import QuantConfig
 from quantkit.formats import get_format
 from quantkit.nn.qlinear import QuantLinear
-from quantkit.outputs import check_output_target, staged_output
-from quantkit.preflight import check_free_space
+from quantkit.outputs import check_free_space, check_output_target, staged_output
 from quantkit.qtensor import QuantizationError
 
 SHARD_BYTES = 4 * 2**30

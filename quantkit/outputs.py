@@ -163,3 +163,25 @@ def staged_output(output: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
+
+
+FREE_SPACE_MARGIN = 64 * 2**20  # tokenizer, configs and the filesystem's own slack
+
+
+def existing_ancestor(path: Path) -> Path:
+    path = path.expanduser().absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_free_space(folder: Path, nbytes: int, what: str) -> None:
+    base = existing_ancestor(folder)
+    free = shutil.disk_usage(base).free
+    if free < nbytes + FREE_SPACE_MARGIN:
+        raise QuantizationError(f"{what} needs about {_megabytes(nbytes + FREE_SPACE_MARGIN)} in {base}, "
+                                f"which has {_megabytes(free)} free; free space or choose another place")
+
+
+def _megabytes(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.0f} MiB"

@@ -7,13 +7,13 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import shutil
 import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import torch
 
+from quantkit.outputs import check_free_space, existing_ancestor
 from quantkit.qtensor import QuantizationError
 
 log = logging.getLogger("quantkit")
@@ -21,7 +21,6 @@ log = logging.getLogger("quantkit")
 MIN_SEQLEN = 16  # shorter windows carry almost no context: calibration and perplexity mean little
 SHORT_SEQLEN = 128
 FEW_CALIBRATION_TOKENS = 8192  # below this, GPTQ's Hessians and AWQ's activation means are noisy
-FREE_SPACE_MARGIN = 64 * 2**20  # tokenizer, configs and the filesystem's own slack
 
 
 def check_min(option: str, value: int | None, minimum: int, hint: str = "") -> None:
@@ -78,18 +77,11 @@ def require_module(module: str, feature: str, install: str) -> None:
         raise QuantizationError(f"{feature} needs {module}, which cannot be imported ({err}): {install}") from err
 
 
-def _existing_ancestor(path: Path) -> Path:
-    path = path.expanduser().absolute()
-    while not path.exists():
-        path = path.parent
-    return path
-
-
 def check_writable_folder(option: str, folder: Path) -> None:
     """folder can be created (or is) and written to."""
     if folder.expanduser().exists() and not folder.expanduser().is_dir():
         raise QuantizationError(f"{option} {folder} is an existing file, not a folder")
-    base = _existing_ancestor(folder)
+    base = existing_ancestor(folder)
     if not base.is_dir():
         raise QuantizationError(f"{option} {folder}: {base} is a file, so the folder cannot be created")
     probe = base / f".quantkit-probe-{os.getpid()}"
@@ -105,18 +97,6 @@ def check_writable_file(option: str, path: Path) -> None:
     if path.expanduser().is_dir():
         raise QuantizationError(f"{option} {path} is a folder; give a file name")
     check_writable_folder(option, path.expanduser().absolute().parent)
-
-
-def check_free_space(folder: Path, nbytes: int, what: str) -> None:
-    base = _existing_ancestor(folder)
-    free = shutil.disk_usage(base).free
-    if free < nbytes + FREE_SPACE_MARGIN:
-        raise QuantizationError(f"{what} needs about {_megabytes(nbytes + FREE_SPACE_MARGIN)} in {base}, "
-                                f"which has {_megabytes(free)} free; free space or choose another place")
-
-
-def _megabytes(nbytes: int) -> str:
-    return f"{nbytes / 2**20:,.0f} MiB"
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")

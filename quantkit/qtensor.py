@@ -16,9 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-class QuantizationError(ValueError):
-    """A user-facing quantization error (bad shape, bad option, bad data)."""
+from quantkit.errors import QuantizationError  # also importable from here
 
 
 @dataclass

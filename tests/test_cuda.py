@@ -20,7 +20,7 @@ finally:
     sys.path.pop(0)
 
 from quantkit.kernels import keeps_plain_copy  # noqa: E402
-from quantkit.kernels.w4a16 import tile_counters  # noqa: E402
+from quantkit.kernels.common import tile_counters  # noqa: E402
 
 K, N = 4096, 2048
 

@@ -5,12 +5,11 @@ pipeline it exists for, and the tuner and shape rules."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from quantkit.kernels.autotune import candidates, tma_gemv_candidates, tma_gemv_split
-from quantkit.kernels.w4a16_tma_gemv import tma_gemv_fits, w4a16_tma_gemv
+from quantkit.kernels.autotune import candidates
+from quantkit.kernels.spec import Problem, TileConfig
+from quantkit.kernels.w4a16_tma_gemv import tma_gemv_candidates, tma_gemv_fits, tma_gemv_split, w4a16_tma_gemv
 from test_kernels_w4a16 import compile_for_sm90
 
 TMA_GEMV_COMPILE = """
@@ -50,37 +49,15 @@ def test_tma_gemv_compiles_to_a_tma_ring_and_vector_loads_for_sm90() -> None:
     compile_for_sm90(TMA_GEMV_COMPILE)
 
 
-RING_COPY_COMPILE = """
-import sys
-sys.path.insert(0, {benchmarks!r})
-from quantkit.kernels.sm90 import _compile
-from quantkit.kernels.w4a16_tma_gemv import WORDS_SMEM_LAYOUT
-from tma_ring_ceiling import _ring_copy_kernel
-
-for bn, bk, warps, stages in [(128, 256, 4, 2), (64, 256, 4, 3)]:
-    sig = {{"w_desc": f"tensordesc<i32[{{bn}}, {{bk // 8}}],{{WORDS_SMEM_LAYOUT!r}}>", "out_ptr": "*i32"}}
-    ptx = _compile(_ring_copy_kernel, sig, dict(STAGES=stages, num_warps=warps))
-    assert ptx.count("cp.async.bulk.tensor.2d") == stages + 1 and "mbarrier.try_wait" in ptx, "not the gemv's ring"
-    assert "fma" not in ptx and "lop3" not in ptx  # no dot arithmetic: the words are only XORed
-print("compiled")
-"""
-
-
-def test_the_ring_copy_diagnostic_compiles_to_the_gemvs_ring() -> None:
-    """benchmarks/tma_ring_ceiling.py's copy kernel (the gemv's ring without its arithmetic, timed on the GPU as its
-    memory ceiling) still compiles for sm_90 against the gemv's helpers."""
-    compile_for_sm90(RING_COPY_COMPILE.format(benchmarks=str(Path(__file__).resolve().parents[1] / "benchmarks")))
-
-
 def test_tma_gemv_is_a_candidate_for_fp16_decode_on_hopper_only() -> None:
     def kinds(m: int, n: int, k: int, hopper: bool = True, fp16: bool = True, swap: bool = True) -> list[str]:
-        return [c["kernel"] for c in candidates("w4a16", m, n, k, 128, swap, hopper, fp16)]
+        return [c.kernel for c in candidates("w4a16", m, n, k, 128, swap, hopper, fp16)]
 
     assert "tma_gemv" not in kinds(1, 28672, 4096, hopper=False)
     assert "tma_gemv" not in kinds(1, 28672, 4096, fp16=False)  # bf16: no half2 dot
     assert "tma_gemv" not in kinds(1, 28672, 4096, swap=False)  # it reads the swap layout
     assert "tma_gemv" not in kinds(8, 28672, 4096)
-    assert not any(c["kernel"] == "tma_gemv" for c in candidates("w4a8", 1, 28672, 4096, 128, True, True))
+    assert not any(c.kernel == "tma_gemv" for c in candidates("w4a8", 1, 28672, 4096, 128, True, True))
     # one token: it leads on large layers (2**26 weights and up), the swap gemv on the others; bf16 keeps gemv_h2
     assert kinds(1, 28672, 4096)[0] == "tma_gemv" and kinds(1, 57344, 8192)[0] == "tma_gemv"
     assert kinds(1, 6144, 4096)[0] == "swap_gemv" and "tma_gemv" in kinds(1, 6144, 4096)
@@ -96,9 +73,9 @@ def test_tma_gemv_splits_keep_about_four_programs_per_sm() -> None:
                          (57344, 8192): (1, 1), (8192, 28672): (8, 4)}.items():
         assert (tma_gemv_split(n, k, 128, 256), tma_gemv_split(n, k, 64, 256)) == best, (n, k)
     assert tma_gemv_split(4096, 512, 128, 256) == 1  # 2 K tiles: a split would leave one each
-    for c in tma_gemv_candidates(4096, 14336, 128):
-        assert tma_gemv_fits(14336, 4096, 128, c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"])
-    assert tma_gemv_candidates(4096, 4096, 32) == []  # a 64-input chunk across two groups
+    for c in tma_gemv_candidates(Problem("w4a16", 1, 4096, 14336, 128)):
+        assert tma_gemv_fits(14336, 4096, 128, c.block_n, c.block_k, c.split_k)
+    assert tma_gemv_candidates(Problem("w4a16", 1, 4096, 4096, 32)) == []  # a 64-input chunk across two groups
 
 
 def test_tma_gemv_tile_rules_and_errors() -> None:
@@ -109,7 +86,7 @@ def test_tma_gemv_tile_rules_and_errors() -> None:
     assert not tma_gemv_fits(4096, 4096, 32, 128, 256, 1)  # group under a 64-input chunk
     assert not tma_gemv_fits(6144, 4096, 128, 128, 192, 1)  # 24 words a row: no power-of-two thread layout
     assert not tma_gemv_fits(4096, 4032, 128, 96, 256, 1)
-    cfg = dict(BLOCK_N=128, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=2)
+    cfg = TileConfig("tma_gemv", 1, 128, 256, 1, num_warps=4, num_stages=2)
     packed, scales = torch.zeros(4160, 1024, dtype=torch.int16), torch.ones(32, 4160, dtype=torch.float16)
     with pytest.raises(ValueError, match="does not fit N 4160"):
         w4a16_tma_gemv(torch.zeros(1, 4096, dtype=torch.float16), packed, scales, None, None, 128, cfg)

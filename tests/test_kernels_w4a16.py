@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are decorated at import
 
 import pytest
 import torch
 from quantkit.kernels.autotune import candidates, m_bucket
-from quantkit.kernels.w4a16 import dequantize, tile_counters, w4a16_matmul
+from quantkit.kernels.common import tile_counters
+from quantkit.kernels.layout import pack_along_rows
+from quantkit.kernels.spec import TileConfig
+from quantkit.kernels.w4a16 import dequantize, w4a16_matmul
 
-from quantkit.nn.qlinear import QuantLinear, pack_along_rows
+from quantkit.nn.qlinear import QuantLinear
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
@@ -67,8 +71,8 @@ def check(layer: QuantLinear, m: int, config: dict, seed: int = 1) -> None:
     assert relative_error(out, reference_w4a16(layer, x)) < TOLERANCE[x.dtype], config
 
 
-GEMV = dict(kernel="gemv", BLOCK_M=1, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2)
-GEMM = dict(kernel="gemm", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)
+GEMV = TileConfig("gemv", block_m=1, block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=2)
+GEMM = TileConfig("gemm", block_m=16, block_n=32, block_k=32, split_k=1, num_warps=4, num_stages=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -77,10 +81,10 @@ GEMM = dict(kernel="gemm", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_wa
 @pytest.mark.usefixtures("poisoned_outputs")
 def test_every_path_matches_float64(dtype, group, sym):
     layer = random_layer(256, 40, group, dtype, sym, seed=group + 7 * sym)  # N=40: a partial N tile
-    for m, config in [(1, GEMV), (3, {**GEMV, "SPLIT_K": 2, "BLOCK_K": 128}), (2, GEMM),
-                      (5, {**GEMM, "BLOCK_K": 64, "SPLIT_K": 3}), (19, {**GEMM, "BLOCK_N": 64}),
-                      (4, dict(kernel="dequant_mm")), (3, {**GEMM, "kernel": "gemm_sliced", "BLOCK_K": 128}),
-                      (17, {**GEMM, "kernel": "gemm_sliced", "BLOCK_K": 256, "SPLIT_K": 2})]:
+    for m, config in [(1, GEMV), (3, replace(GEMV, split_k=2, block_k=128)), (2, GEMM),
+                      (5, replace(GEMM, block_k=64, split_k=3)), (19, replace(GEMM, block_n=64)),
+                      (4, TileConfig("dequant_mm")), (3, replace(GEMM, kernel="gemm_sliced", block_k=128)),
+                      (17, replace(GEMM, kernel="gemm_sliced", block_k=256, split_k=2))]:
         check(layer, m, config)
 
 
@@ -97,10 +101,10 @@ def test_default_configs_for_odd_shapes(k, n, m):
 def test_gemv_rows_and_runtime_splits(m, split):
     """The gemv path's x-row grid axis and runtime K split (uneven: 3 splits of 8 K tiles), partial N tile."""
     layer = random_layer(512, 40, 64, torch.float16, sym=False, seed=split)
-    check(layer, m, {**GEMV, "BLOCK_N": 64, "SPLIT_K": split}, seed=m)
+    check(layer, m, replace(GEMV, block_n=64, split_k=split), seed=m)
 
 
-@pytest.mark.parametrize("config", [{**GEMV, "SPLIT_K": 3}, {**GEMM, "BLOCK_K": 64, "SPLIT_K": 4}])
+@pytest.mark.parametrize("config", [replace(GEMV, split_k=3), replace(GEMM, block_k=64, split_k=4)])
 def test_split_k_counters_reset_and_repeat_bit_exactly(config):
     """The in-kernel split-K reduce leaves every tile counter at zero (so the next call, or CUDA-graph
     replay, starts clean) and sums partials in a fixed order: repeated calls agree bit for bit."""
@@ -114,13 +118,13 @@ def test_split_k_counters_reset_and_repeat_bit_exactly(config):
 
 def test_gemv_default_split_fills_the_gpu_and_keeps_two_k_tiles():
     for k, n in ((4096, 4096), (14336, 4096), (4096, 28672), (8192, 57344)):
-        gemvs = [c for c in candidates("w4a16", 1, n, k, 128) if c["kernel"] in ("gemv", "gemv_h2")]
+        gemvs = [c for c in candidates("w4a16", 1, n, k, 128) if c.kernel in ("gemv", "gemv_h2")]
         for cfg in gemvs:
-            if {**cfg, "SPLIT_K": 2 * cfg["SPLIT_K"]} in gemvs:  # the extra half-depth split of a tile
+            if cfg.with_split(2 * cfg.split_k) in gemvs:  # the extra half-depth split of a tile
                 continue
-            k_tiles, programs = k // cfg["BLOCK_K"], -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
-            assert cfg["SPLIT_K"] == 1 or k_tiles >= 2 * cfg["SPLIT_K"]
-            assert programs >= 4 * 132 or 2 * cfg["SPLIT_K"] > min(16, k_tiles // 2)  # as deep as it may go
+            k_tiles, programs = k // cfg.block_k, -(-n // cfg.block_n) * cfg.split_k
+            assert cfg.split_k == 1 or k_tiles >= 2 * cfg.split_k
+            assert programs >= 4 * 132 or 2 * cfg.split_k > min(16, k_tiles // 2)  # as deep as it may go
 
 
 def test_dequantize_is_the_reference_weight():
@@ -131,10 +135,10 @@ def test_dequantize_is_the_reference_weight():
 
 def test_candidates_fit_shape_and_group():
     assert [m_bucket(m) for m in (1, 3, 16, 17, 5000)] == [1, 4, 16, 32, 4096]
-    assert candidates("w4a16", 1, 4096, 4096, 128)[0]["kernel"] == "gemv_h2"
-    assert candidates("w4a16", 4096, 4096, 4096, 128)[0]["kernel"] == "dequant_mm"
+    assert candidates("w4a16", 1, 4096, 4096, 128)[0].kernel == "gemv_h2"
+    assert candidates("w4a16", 4096, 4096, 4096, 128)[0].kernel == "dequant_mm"
     for cfg in candidates("w4a16", 64, 64, 96, 32):
-        assert 96 % cfg["BLOCK_K"] == 0
+        assert 96 % cfg.block_k == 0
 
 
 @pytest.mark.parametrize("x_scale", [1.0, 3e4])

@@ -6,17 +6,22 @@ import functools
 import operator
 import os
 from collections import Counter
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are decorated at import
 
 import pytest
 import torch
-from quantkit.kernels.w4a8_swap import repack_for_w4a8_swap
-from quantkit.kernels.w4a16_swap import (
+from quantkit.kernels.layout import (
     k_blocked,
     layout_shape,
     repack_for_swap,
+    repack_for_w4a8_swap,
     swap_layout_codes,
+    unpack_along_rows,
+)
+from quantkit.kernels.spec import TileConfig
+from quantkit.kernels.w4a16_swap import (
     swap_supported,
     w4a16_swap_gemv,
     w4a16_swap_matmul,
@@ -29,8 +34,6 @@ from test_kernels_w4a16 import (  # noqa: F401  (poisoned_outputs: a fixture)
     reference_w4a16,
     relative_error,
 )
-
-from quantkit.nn.qlinear import unpack_along_rows
 
 
 def test_k_blocked_layout_moves_every_element_to_its_block_row() -> None:
@@ -68,7 +71,8 @@ def test_supported_shapes() -> None:
     assert not swap_supported(4096, 4096, 32) and not swap_supported(4096, 4100, 128)
 
 
-_LAUNCH = dict(kernel="swap", num_warps=4, num_stages=2)
+def swap_config(block_m: int, block_n: int, block_k: int, split_k: int) -> TileConfig:
+    return TileConfig("swap", block_m, block_n, block_k, split_k, num_warps=4, num_stages=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -79,17 +83,16 @@ def test_matches_float64(dtype: torch.dtype, group: int, sym: bool) -> None:
     layer = random_layer(256, 128, group, dtype, sym=sym, seed=group + 3)
     packed = repack_for_swap(layer.qweight)
     zeros = None if sym else layer.zeros
-    for m, config in [(1, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1)),
-                      (19, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2)),  # two M blocks, split K
-                      (5, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, SPLIT_K=4))]:
+    for m, config in [(1, swap_config(16, 64, 64, 1)), (19, swap_config(16, 64, 128, 2)),  # two M blocks, split K
+                      (5, swap_config(32, 128, 64, 4))]:
         if group != -1:  # a K tile never spans two groups
-            config = {**config, "BLOCK_K": min(config["BLOCK_K"], group)}
+            config = replace(config, block_k=min(config.block_k, group))
         x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype)
-        out = w4a16_swap_matmul(x, packed, layer.scales, zeros, layer.bias, layer.group_size, config | _LAUNCH)
+        out = w4a16_swap_matmul(x, packed, layer.scales, zeros, layer.bias, layer.group_size, config)
         assert out.shape == (m, 128) and out.dtype == dtype and not out.isnan().any(), config
         assert relative_error(out, reference_w4a16(layer, x)) < TOLERANCE[dtype], config
     with pytest.raises(ValueError, match="K tile"):
-        w4a16_swap_matmul(x, packed, layer.scales, zeros, None, 64, dict(config, BLOCK_K=128) | _LAUNCH)
+        w4a16_swap_matmul(x, packed, layer.scales, zeros, None, 64, replace(config, block_k=128))
 
 
 def halves(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -157,13 +160,13 @@ def run_ptx(asm: str, words: torch.Tensor, dtype: torch.dtype = torch.float16,
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_slice_ptx_gives_codes_minus_eight(dtype: torch.dtype) -> None:
     """Every pair of int16 (all nibble values in both halves): slice j of the PTX is nibble j minus 8."""
-    from quantkit.kernels.w4a16_swap import _slice_ptx
+    from quantkit.kernels.common import slice_ptx
 
     values = torch.arange(-2**15, 2**15, 7, dtype=torch.int64)
     packed = (values & 0xFFFF) | (values.flip(0) & 0xFFFF) << 16
     pair = torch.stack([values, values.flip(0)], dim=-1) & 0xFFFF
     for j in range(4):
-        out = halves(run_ptx(_slice_ptx(j, "fp16" if dtype == torch.float16 else "bf16"), packed, dtype), dtype)
+        out = halves(run_ptx(slice_ptx(j, "fp16" if dtype == torch.float16 else "bf16"), packed, dtype), dtype)
         assert torch.equal(out, ((pair >> (4 * j)) & 0xF).double() - 8), j
 
 
@@ -224,29 +227,30 @@ def test_swap_configs_lead_the_tuner_from_two_tokens_to_64(scheme: str) -> None:
     # one token: a gemv; fp16 W4A16 the one on the swap layout (faster than gemv_h2 on 5 of 6 H200 shapes), bf16
     # gemv_h2's fp32 one (neither has half2 PTX for bf16)
     first = "swap_gemv" if scheme == "w4a16" else "gemv_h2"
-    assert candidates(scheme, 1, 4096, 4096, 128, swap=True)[0]["kernel"] == first
-    assert candidates(scheme, 1, 4096, 4096, 128, swap=True, fp16=False)[0]["kernel"] == "gemv_h2"
+    assert candidates(scheme, 1, 4096, 4096, 128, swap=True)[0].kernel == first
+    assert candidates(scheme, 1, 4096, 4096, 128, swap=True, fp16=False)[0].kernel == "gemv_h2"
     for m in (1, 4):  # W4A16 also times the gemv on the swap layout
-        gemvs = [c for c in candidates(scheme, m, 4096, 4096, 128, swap=True) if c["kernel"] == "swap_gemv"]
-        assert bool(gemvs) == (scheme == "w4a16") and all(c["num_stages"] == 1 for c in gemvs)
+        gemvs = [c for c in candidates(scheme, m, 4096, 4096, 128, swap=True) if c.kernel == "swap_gemv"]
+        assert bool(gemvs) == (scheme == "w4a16") and all(c.num_stages == 1 for c in gemvs)
     for m in (2, 16, 64):
         first = candidates(scheme, m, 4096, 4096, 128, swap=True)[0]
-        assert first["kernel"] == "swap" and first["BLOCK_M"] == max(16, m) and first["BLOCK_K"] == 128
-    assert all(c["kernel"] != "swap" for c in candidates(scheme, 16, 4096, 4096, 128))  # no swap layout
+        assert first.kernel == "swap" and first.block_m == max(16, m) and first.block_k == 128
+    assert all(c.kernel != "swap" for c in candidates(scheme, 16, 4096, 4096, 128))  # no swap layout
     for m in (1, 16):  # with one, the other tiled kinds keep two fallback configs each; the gemvs all stay
-        kinds = Counter(c["kernel"] for c in candidates(scheme, m, 4096, 4096, 128, swap=True))
-        plain = Counter(c["kernel"] for c in candidates(scheme, m, 4096, 4096, 128))
+        kinds = Counter(c.kernel for c in candidates(scheme, m, 4096, 4096, 128, swap=True))
+        plain = Counter(c.kernel for c in candidates(scheme, m, 4096, 4096, 128))
         assert all(kinds[k] == min(2, n) for k, n in plain.items() if k not in ("gemv", "gemv_h2"))
         assert all(kinds[k] == n for k, n in plain.items() if k in ("gemv", "gemv_h2"))
     for m in (256, 1024):  # W4A8 at M = 128..512: 128-token tiles join the timed candidates, not the default
         large = candidates(scheme, m, 4096, 4096, 128, swap=True)
-        swapped = {c["BLOCK_M"] for c in large if c["kernel"] == "swap"}
-        assert large[0]["kernel"] != "swap" and swapped == ({128} if (scheme, m) == ("w4a8", 256) else set())
-    swapped = [c for c in candidates(scheme, 16, 4160, 4096, 64, swap=True) if c["kernel"] == "swap"]
-    assert swapped and all(c["BLOCK_K"] == 64 and 4160 % c["BLOCK_N"] == 0 for c in swapped)  # g64: K tile 64
+        swapped = {c.block_m for c in large if c.kernel == "swap"}
+        assert large[0].kernel != "swap" and swapped == ({128} if (scheme, m) == ("w4a8", 256) else set())
+    swapped = [c for c in candidates(scheme, 16, 4160, 4096, 64, swap=True) if c.kernel == "swap"]
+    assert swapped and all(c.block_k == 64 and 4160 % c.block_n == 0 for c in swapped)  # g64: K tile 64
 
 
-_GEMV = dict(kernel="swap_gemv", BLOCK_M=1, num_warps=4, num_stages=1)
+def swap_gemv_config(block_n: int, block_k: int, split_k: int) -> TileConfig:
+    return TileConfig("swap_gemv", 1, block_n, block_k, split_k, num_warps=4, num_stages=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -259,14 +263,13 @@ def test_swap_gemv_matches_float64(dtype: torch.dtype, group: int, sym: bool) ->
     layer = random_layer(512, 128, group, dtype, sym=sym, seed=group + 11)
     packed = repack_for_swap(layer.qweight)
     zeros = None if sym else layer.zeros
-    for m, config in [(1, dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=1)), (3, dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2)),
-                      (2, dict(BLOCK_N=128, BLOCK_K=64, SPLIT_K=4))]:
+    for m, config in [(1, swap_gemv_config(64, 256, 1)), (3, swap_gemv_config(32, 128, 2)), (2, swap_gemv_config(128, 64, 4))]:
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(dtype)
-        out = w4a16_swap_gemv(x, packed, layer.scales, zeros, layer.bias, layer.group_size, _GEMV | config)
+        out = w4a16_swap_gemv(x, packed, layer.scales, zeros, layer.bias, layer.group_size, config)
         assert out.shape == (m, 128) and out.dtype == dtype and not out.isnan().any(), config
         assert relative_error(out, reference_w4a16(layer, x)) < TOLERANCE[dtype], config
     with pytest.raises(ValueError, match="does not fit"):
-        w4a16_swap_gemv(x, packed, layer.scales, zeros, None, layer.group_size, dict(config, BLOCK_K=96) | _GEMV)
+        w4a16_swap_gemv(x, packed, layer.scales, zeros, None, layer.group_size, replace(config, block_k=96))
 
 
 @pytest.mark.parametrize("x_scale", [1.0, 6e4])
@@ -275,7 +278,7 @@ def test_swap_gemv_word_dot_ptx(x_scale: float, zeros: bool) -> None:
     """The gemv's PTX word dot, executed instruction by instruction: every weight becomes (q - z) / 64 exactly,
     each lane sums its 4 products with one fp16 rounding per step, the lanes meet in fp32; that stays within
     fp16 rounding of the exact dot / 64 and finite for activations up to the top of the fp16 range."""
-    from quantkit.kernels.w4a16_swap import _gemv_word_dot_ptx
+    from quantkit.kernels.common import gemv_word_dot_ptx
 
     gen = torch.Generator().manual_seed(7)
     words = torch.randint(-2**31, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64)
@@ -285,7 +288,7 @@ def test_swap_gemv_word_dot_ptx(x_scale: float, zeros: bool) -> None:
     if zeros:
         inputs["$6"] = pair_bits(torch.stack([-(16 + z / 64)] * 2, dim=-1))
         inputs["$7"] = pair_bits(torch.stack([-(1 + z / 64)] * 2, dim=-1))
-    got = run_ptx(_gemv_word_dot_ptx(zeros), words, inputs=inputs)
+    got = run_ptx(gemv_word_dot_ptx(zeros), words, inputs=inputs)
     codes = torch.stack([torch.stack([(words >> (16 * b + 4 * j)) & 0xF for b in range(2)], -1) for j in range(4)], 1)
     w = (codes - z[:, None, None]).double() / 64  # [word, j, b]
     lanes = torch.zeros(4096, 2, dtype=torch.float16)

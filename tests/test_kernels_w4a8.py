@@ -4,15 +4,19 @@ follows the int8 semantics exactly; run by Triton's CPU interpreter on small sha
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are decorated at import
 
 import pytest
 import torch
-from quantkit.kernels.w4a8 import int8_weight, quantize_rows, row_segments, w4a8_matmul
+from quantkit.kernels.common import quantize_rows, row_segments
+from quantkit.kernels.layout import unpack_along_rows
+from quantkit.kernels.spec import TileConfig
+from quantkit.kernels.w4a8 import int8_weight, w4a8_matmul
 from test_kernels_w4a16 import poisoned_outputs, random_layer, relative_error  # noqa: F401
 
-from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
+from quantkit.nn.qlinear import QuantLinear
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -41,11 +45,11 @@ def run(layer: QuantLinear, x: torch.Tensor, config: dict) -> torch.Tensor:
                        layer.group_size, config)
 
 
-GEMM = dict(kernel="gemm", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2)
-GEMV = dict(kernel="gemv", BLOCK_M=1, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2)
-CONFIGS = [(1, GEMM), (4, {**GEMM, "SPLIT_K": 3}), (21, {**GEMM, "BLOCK_M": 32, "BLOCK_K": 128}),
-           (3, {**GEMM, "kernel": "gemm_sliced", "BLOCK_K": 256}), (1, GEMV), (3, {**GEMV, "SPLIT_K": 2}),
-           (17, dict(kernel="int_mm"))]  # torch._int_mm has a CPU kernel too
+GEMM = TileConfig("gemm", block_m=16, block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=2)
+GEMV = TileConfig("gemv", block_m=1, block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=2)
+CONFIGS = [(1, GEMM), (4, GEMM.with_split(3)), (21, replace(GEMM, block_m=32, block_k=128)),
+           (3, replace(GEMM, kernel="gemm_sliced", block_k=256)), (1, GEMV), (3, GEMV.with_split(2)),
+           (17, TileConfig("int_mm"))]  # torch._int_mm has a CPU kernel too
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -113,12 +117,12 @@ def test_half2_gemv_numerics_match_float64(group, two_level, sym):
 def test_dependent_launch_only_on_hopper_and_later(monkeypatch):
     """PDL (the GEMM launched as the quantization kernel's programmatic dependent) needs sm_90's griddepcontrol:
     never on the CPU, under the interpreter, or on older GPUs; QUANTKIT_PDL=0 turns it off."""
-    from quantkit.kernels import w4a8
+    from quantkit.kernels import common
 
     cuda = torch.device("cuda", 0)
     capability = {"now": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["now"])
-    monkeypatch.setattr(w4a8, "_interpreting", lambda: False)
+    monkeypatch.setattr(common, "interpreting", lambda: False)
     cases = [((9, 0), None, True), ((10, 0), None, True), ((8, 0), None, False), ((9, 0), "0", False)]
     for cap, env, expected in cases:
         capability["now"] = cap
@@ -126,13 +130,13 @@ def test_dependent_launch_only_on_hopper_and_later(monkeypatch):
             monkeypatch.delenv("QUANTKIT_PDL", raising=False)
         else:
             monkeypatch.setenv("QUANTKIT_PDL", env)
-        w4a8.dependent_launch.cache_clear()
-        assert w4a8.dependent_launch(cuda) is expected, (cap, env)
+        common.dependent_launch.cache_clear()
+        assert common.dependent_launch(cuda) is expected, (cap, env)
         # the GEMM waits (PDL constexpr) exactly when it is launched early (launch_pdl)
-        assert w4a8.dependent_launch_args(cuda) == (dict(PDL=True, launch_pdl=True) if expected else dict(PDL=False))
-    w4a8.dependent_launch.cache_clear()
-    assert not w4a8.dependent_launch(torch.device("cpu"))
-    monkeypatch.setattr(w4a8, "_interpreting", lambda: True)
-    w4a8.dependent_launch.cache_clear()
-    assert not w4a8.dependent_launch(cuda)
-    w4a8.dependent_launch.cache_clear()
+        assert common.dependent_launch_args(cuda) == (dict(PDL=True, launch_pdl=True) if expected else dict(PDL=False))
+    common.dependent_launch.cache_clear()
+    assert not common.dependent_launch(torch.device("cpu"))
+    monkeypatch.setattr(common, "interpreting", lambda: True)
+    common.dependent_launch.cache_clear()
+    assert not common.dependent_launch(cuda)
+    common.dependent_launch.cache_clear()

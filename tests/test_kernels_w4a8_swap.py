@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are decorated at import
 
@@ -10,27 +11,24 @@ import pytest
 import torch
 from quantkit.kernels import SWAP_BLOCK, swap_weight_for
 from quantkit.kernels.autotune import candidates
-from quantkit.kernels.w4a8_swap import (
-    _HIGH,
-    _HIGH_K,
-    _LOW,
-    _LOW_K,
-    repack_for_w4a8_swap,
-    w4a8_swap_matmul,
-    w4a8_swap_supported,
-)
-from quantkit.kernels.w4a16_swap import (
+from quantkit.kernels.common import HIGH_SLICE_K_PTX, HIGH_SLICE_PTX, LOW_SLICE_K_PTX, LOW_SLICE_PTX
+from quantkit.kernels.layout import (
     k_blocked,
     layout_shape,
     repack_for_swap,
+    repack_for_w4a8_swap,
+    unpack_along_rows,
+)
+from quantkit.kernels.w4a8_swap import w4a8_swap_matmul, w4a8_swap_supported
+from quantkit.kernels.w4a16_swap import (
     w4a16_swap_gemv,
     w4a16_swap_matmul,
 )
 from test_kernels_w4a8 import TOLERANCE, reference_w4a8
 from test_kernels_w4a16 import compile_for_sm90, poisoned_outputs, random_layer, relative_error  # noqa: F401
-from test_kernels_w4a16_swap import REGISTER_OPERAND_CHECK, run_ptx
+from test_kernels_w4a16_swap import REGISTER_OPERAND_CHECK, run_ptx, swap_config, swap_gemv_config
 
-from quantkit.nn.qlinear import QuantLinear, unpack_along_rows
+from quantkit.nn.qlinear import QuantLinear
 
 
 def layout_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -70,7 +68,7 @@ def test_slices_are_sixteen_times_code_minus_eight() -> None:
     values = torch.arange(256, dtype=torch.int64)
     for position in range(4):
         words = values << (8 * position) | (values.flip(0) << (8 * ((position + 1) % 4)))
-        for asm, nibble in ((_HIGH.value, values >> 4), (_LOW.value, values & 0xF)):
+        for asm, nibble in ((HIGH_SLICE_PTX.value, values >> 4), (LOW_SLICE_PTX.value, values & 0xF)):
             byte = (run_ptx(asm, words) >> (8 * position)) & 0xFF
             signed = torch.where(byte >= 128, byte - 256, byte)
             assert torch.equal(signed, 16 * ((nibble ^ 8) - 8)), asm
@@ -84,7 +82,7 @@ def test_two_level_slices_are_qqq_int8_weights() -> None:
         regs = {"$2": torch.full_like(values, k), "$6": torch.full_like(values, (128 - 8 * k) * 0x01010101)}
         for position in range(4):
             words = values << (8 * position) | (values.flip(0) << (8 * ((position + 1) % 4)))
-            for asm, nibble in ((_HIGH_K.value, values >> 4), (_LOW_K.value, values & 0xF)):
+            for asm, nibble in ((HIGH_SLICE_K_PTX.value, values >> 4), (LOW_SLICE_K_PTX.value, values & 0xF)):
                 out = run_ptx(asm, words, inputs=regs)
                 for shift, codes in ((8 * position, nibble), (8 * ((position + 1) % 4), nibble.flip(0))):
                     byte = (out >> shift) & 0xFF
@@ -103,7 +101,6 @@ def test_supported_layers() -> None:
     assert not w4a8_swap_supported(2**18, 4096, -1, True, None)  # int32 accumulator overflow
 
 
-_LAUNCH = dict(kernel="swap", num_warps=4, num_stages=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -114,19 +111,18 @@ def test_matches_int8_reference(dtype: torch.dtype, group: int) -> None:
     packed = repack_for_w4a8_swap(layer.qweight)
     two_level = group != -1
     channel = layer.channel_scales if two_level else layer.scales[0].float()
-    for m, config in [(1, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1)),
-                      (19, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2)),  # two M blocks, split K
-                      (5, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, SPLIT_K=4)),
-                      (3, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SPLIT_K=2))]:  # two-level: exact int8 slices
+    for m, config in [(1, swap_config(16, 64, 64, 1)), (19, swap_config(16, 64, 128, 2)),  # two M blocks, split K
+                      (5, swap_config(32, 128, 64, 4)),
+                      (3, swap_config(64, 64, 64, 2))]:  # two-level: exact int8 slices
         if two_level:
-            config = {**config, "BLOCK_K": min(config["BLOCK_K"], group)}
+            config = replace(config, block_k=min(config.block_k, group))
         x = (3 * torch.randn(m, 256, generator=torch.Generator().manual_seed(m))).to(dtype)
-        out = w4a8_swap_matmul(x, packed, channel, layer.scales if two_level else None, layer.bias,
-                               layer.group_size, config | _LAUNCH)
+        out = w4a8_swap_matmul(x, packed, channel, layer.scales if two_level else None, None, layer.bias,
+                               layer.group_size, config)
         assert out.shape == (m, 128) and out.dtype == dtype and not out.isnan().any(), config
         assert relative_error(out, reference_w4a8(layer, x)) < TOLERANCE[dtype], config
     with pytest.raises(ValueError, match="K tile"):
-        w4a8_swap_matmul(x, packed, channel, layer.scales, None, 64, dict(config, BLOCK_K=128) | _LAUNCH)
+        w4a8_swap_matmul(x, packed, channel, layer.scales, None, None, 64, replace(config, block_k=128))
 
 
 @pytest.mark.usefixtures("poisoned_outputs")
@@ -134,8 +130,8 @@ def test_one_group_over_all_of_k_folds_its_multiplier_into_the_channel_scale() -
     layer = qqq_layer(256, 64, -1, torch.float16, seed=3, two_level=True)
     assert layer.group_size == 256 and layer.scales.shape == (1, 64)
     x = (3 * torch.randn(4, 256, generator=torch.Generator().manual_seed(4))).half()
-    out = w4a8_swap_matmul(x, repack_for_w4a8_swap(layer.qweight), layer.channel_scales, layer.scales, layer.bias,
-                           256, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2) | _LAUNCH)
+    out = w4a8_swap_matmul(x, repack_for_w4a8_swap(layer.qweight), layer.channel_scales, layer.scales, None, layer.bias,
+                           256, swap_config(16, 64, 128, 2))
     assert relative_error(out, reference_w4a8(layer, x)) < TOLERANCE[torch.float16]
 
 
@@ -151,8 +147,8 @@ def test_int32_result_is_exact(block_m: int) -> None:
     q = unpack_along_rows(layer.qweight, 4).to(torch.int64) - 8
     w = q * layer.scales.to(torch.int64).repeat_interleave(128, dim=0)
     exact = x.to(torch.int64) @ w
-    out = w4a8_swap_matmul(x.half(), packed, torch.full((64,), 2.0**-10), layer.scales, None, 128,
-                           dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1) | _LAUNCH)
+    out = w4a8_swap_matmul(x.half(), packed, torch.full((64,), 2.0**-10), layer.scales, None, None, 128,
+                           swap_config(block_m, 64, 128, 1))
     assert exact.abs().max() > 2**17 and out.isfinite().all()  # far beyond fp16 integers (2**11), fp32-exact
     assert torch.equal(out, (exact.double() * 2.0**-10).half())
 
@@ -172,7 +168,7 @@ for two_level, split, bm in ((True, 4, 16), (True, 1, 64), (False, 1, 16)):
     assert ("griddepcontrol.wait" in ptx) == two_level  # PDL: waits for the quantization kernel's x
     assert ("mad.lo.u32 t, u," in ptx) == exact
 
-from quantkit.kernels.w4a8 import _quantize_rows_kernel as quantize
+from quantkit.kernels.common import _quantize_rows_kernel as quantize
 sig = {"x_ptr": "*fp16", "xq_ptr": "*i8", "scale_ptr": "*fp32", "sum_ptr": "*i32", "K": "i32", "SEGMENT": "i32"}
 consts = dict(BLOCK=16384, SEG_BLOCK=1024, ONE_PASS=True, SEGMENTED=True, PDL=True)
 kernel = compile(ASTSource(fn=quantize, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts),
@@ -198,17 +194,16 @@ def test_triton_swap_kernels_read_k_blocked_weights_alike() -> None:
     layer = random_layer(512, 128, 128, torch.float16, sym=False, seed=5)
     plain = repack_for_swap(layer.qweight)
     blocked = k_blocked(plain, 512, 128)
-    swap = dict(kernel="swap", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=2)
-    gemv = dict(kernel="swap_gemv", BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=1)
+    swap, gemv = swap_config(16, 64, 128, 2), swap_gemv_config(32, 128, 2)
     for run, config in [(w4a16_swap_matmul, swap), (w4a16_swap_gemv, gemv)]:
         expected = run(x, plain, layer.scales, layer.zeros, layer.bias, 128, config)
         assert torch.equal(run(x, blocked, layer.scales, layer.zeros, layer.bias, 128, config), expected), run
     with pytest.raises(ValueError, match="does not fit the weight's K blocks of 128"):
-        w4a16_swap_gemv(x, blocked, layer.scales, layer.zeros, None, 512, {**gemv, "BLOCK_K": 256})
+        w4a16_swap_gemv(x, blocked, layer.scales, layer.zeros, None, 512, replace(gemv, block_k=256))
     qqq = qqq_layer(512, 128, 128, torch.float16, seed=6)
     plain = repack_for_w4a8_swap(qqq.qweight)
-    expected = w4a8_swap_matmul(x, plain, qqq.channel_scales, qqq.scales, qqq.bias, 128, swap)
-    out = w4a8_swap_matmul(x, k_blocked(plain, 512, 128), qqq.channel_scales, qqq.scales, qqq.bias, 128, swap)
+    expected = w4a8_swap_matmul(x, plain, qqq.channel_scales, qqq.scales, None, qqq.bias, 128, swap)
+    out = w4a8_swap_matmul(x, k_blocked(plain, 512, 128), qqq.channel_scales, qqq.scales, None, qqq.bias, 128, swap)
     assert torch.equal(out, expected)
 
 
@@ -221,5 +216,5 @@ def test_layers_get_their_swap_copy_in_k_blocks_and_configs_that_fit_them() -> N
     plain = candidates("w4a16", 1, 4096, 4096, 128, swap=True, hopper=True)
     blocked = candidates("w4a16", 1, 4096, 4096, 128, swap=True, hopper=True, swap_block=256)
     swap_kinds = ("swap", "swap_gemv", "tma_gemv", "wgmma")
-    assert any(c["kernel"] in swap_kinds and c["BLOCK_K"] == 512 for c in plain)
-    assert blocked == [c for c in plain if c["kernel"] not in swap_kinds or 256 % c["BLOCK_K"] == 0]
+    assert any(c.kernel in swap_kinds and c.block_k == 512 for c in plain)
+    assert blocked == [c for c in plain if c.kernel not in swap_kinds or 256 % c.block_k == 0]

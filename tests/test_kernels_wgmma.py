@@ -7,15 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from quantkit.kernels.autotune import candidates
+from quantkit.kernels.gluon_common import aligned_16, launch_grid, unit_band, wgmma_fits, wgmma_split
+from quantkit.kernels.spec import TileConfig
 from quantkit.kernels.w4a8_wgmma import w4a8_wgmma_matmul
-from quantkit.kernels.w4a16_wgmma import (
-    aligned_16,
-    launch_grid,
-    unit_band,
-    w4a16_wgmma_matmul,
-    wgmma_fits,
-    wgmma_split,
-)
+from quantkit.kernels.w4a16_wgmma import w4a16_wgmma_matmul
 from test_kernels_w4a16 import compile_for_sm90
 
 WGMMA_COMPILE = """
@@ -85,28 +80,28 @@ def test_wgmma_kernels_compile_to_async_register_operand_wgmma_for_sm90() -> Non
 
 
 def test_wgmma_configs_are_timed_on_hopper_only() -> None:
-    assert all(c["kernel"] != "wgmma" for m in (8, 64, 256) for c in candidates("w4a16", m, 4096, 4096, 128, True))
-    assert all(c["kernel"] != "wgmma" for c in candidates("w4a16", 64, 4096, 4096, 128, False, True))  # no layout
+    assert all(c.kernel != "wgmma" for m in (8, 64, 256) for c in candidates("w4a16", m, 4096, 4096, 128, True))
+    assert all(c.kernel != "wgmma" for c in candidates("w4a16", 64, 4096, 4096, 128, False, True))  # no layout
     w4a8 = candidates("w4a8", 64, 4096, 4096, 128, True, True)  # W4A8: timed after the swap kernel
-    assert w4a8[0]["kernel"] == "swap" and {c["BLOCK_K"] for c in w4a8 if c["kernel"] == "wgmma"} == {128}
-    assert all(c["BLOCK_M"] <= 224 for m in (256, 512) for c in candidates("w4a8", m, 4096, 4096, 128, True, True)
-               if c["kernel"] == "wgmma")  # int8 wgmma's N
+    assert w4a8[0].kernel == "swap" and {c.block_k for c in w4a8 if c.kernel == "wgmma"} == {128}
+    assert all(c.block_m <= 224 for m in (256, 512) for c in candidates("w4a8", m, 4096, 4096, 128, True, True)
+               if c.kernel == "wgmma")  # int8 wgmma's N
     for scheme in ("w4a16", "w4a8"):  # decode: timed after the gemvs and the swap kernel, 8 tokens wide
         for m in (1, 4):
             options = candidates(scheme, m, 4096, 4096, 128, True, True)
-            first = next(i for i, c in enumerate(options) if c["kernel"] == "wgmma")
-            assert all(c["kernel"] == "wgmma" and c["BLOCK_M"] == 8 for c in options[first:]), options[first:]
+            first = next(i for i, c in enumerate(options) if c.kernel == "wgmma")
+            assert all(c.kernel == "wgmma" and c.block_m == 8 for c in options[first:]), options[first:]
     for m, first in ((16, "swap"), (32, "wgmma"), (64, "wgmma"), (256, "wgmma"), (512, "wgmma"), (1024, "dequant_mm")):
         options = candidates("w4a16", m, 4096, 14336, 128, True, True)
-        assert options[0]["kernel"] == first and any(c["kernel"] == "wgmma" for c in options), m
-        wgmma = [c for c in options if c["kernel"] == "wgmma"]
-        assert all(wgmma_fits(14336, 4096, 128, c["BLOCK_N"], c["BLOCK_K"]) for c in wgmma)
-        assert all(c["BLOCK_M"] <= max(16, m) for c in wgmma)  # wgmma's N never wider than the tokens
+        assert options[0].kernel == first and any(c.kernel == "wgmma" for c in options), m
+        wgmma = [c for c in options if c.kernel == "wgmma"]
+        assert all(wgmma_fits(14336, 4096, 128, c.block_n, c.block_k) for c in wgmma)
+        assert all(c.block_m <= max(16, m) for c in wgmma)  # wgmma's N never wider than the tokens
     for m in (256, 1024, 4096):  # W4A8 from 256 tokens: the Gluon kernel first on Hopper, int8 cuBLAS elsewhere
-        assert candidates("w4a8", m, 4096, 14336, 128, True, True)[0]["kernel"] == "wgmma"
-        assert candidates("w4a8", m, 4096, 14336, 128, True, False)[0]["kernel"] == ("int_mm" if m >= 1024 else "gemm")
-    g64 = [c for c in candidates("w4a16", 64, 4096, 4096, 64, True, True) if c["kernel"] == "wgmma"]
-    assert g64 and all(c["BLOCK_K"] == 64 for c in g64)  # a K tile inside one group
+        assert candidates("w4a8", m, 4096, 14336, 128, True, True)[0].kernel == "wgmma"
+        assert candidates("w4a8", m, 4096, 14336, 128, True, False)[0].kernel == ("int_mm" if m >= 1024 else "gemm")
+    g64 = [c for c in candidates("w4a16", 64, 4096, 4096, 64, True, True) if c.kernel == "wgmma"]
+    assert g64 and all(c.block_k == 64 for c in g64)  # a K tile inside one group
 
 
 def test_units_go_in_bands_of_token_tiles_only_for_wide_layers() -> None:
@@ -122,12 +117,12 @@ def test_k_splits_give_every_unit_the_same_k_tiles() -> None:
     assert wgmma_split(4096, 128, 16, 6) == 4  # 32 K tiles: at least 5 per unit (the ring looks 5 ahead)
     assert wgmma_split(256, 128, 4, 4) == 0  # 2 K tiles cannot fill a 4-stage ring's lookahead
     for m, n, k in ((1, 4096, 14336), (64, 28672, 4096), (300, 6144, 4096)):
-        for c in (c for c in candidates("w4a16", m, n, k, 128, True, True) if c["kernel"] == "wgmma"):
-            tiles = k // c["BLOCK_K"]
-            assert tiles % c["SPLIT_K"] == 0 and tiles // c["SPLIT_K"] >= c["num_stages"] - 1, c
-            assert launch_grid(m, n, k, 128, c) == ((n // c["BLOCK_N"]) * -(-m // c["BLOCK_M"]) * c["SPLIT_K"],
-                                                    (n // c["BLOCK_N"]) * -(-m // c["BLOCK_M"]))
-    cfg = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=4)
+        for c in (c for c in candidates("w4a16", m, n, k, 128, True, True) if c.kernel == "wgmma"):
+            tiles = k // c.block_k
+            assert tiles % c.split_k == 0 and tiles // c.split_k >= c.num_stages - 1, c
+            assert launch_grid(m, n, k, 128, c) == ((n // c.block_n) * -(-m // c.block_m) * c.split_k,
+                                                    (n // c.block_n) * -(-m // c.block_m))
+    cfg = TileConfig("wgmma", 16, 128, 128, 16, num_warps=4, num_stages=4)
     with pytest.raises(ValueError, match="split 16, 4 stages does not fit"):
         launch_grid(16, 4096, 4096, 128, cfg)  # 2 K tiles per unit
 
@@ -139,12 +134,12 @@ def test_tile_rules() -> None:
     assert not wgmma_fits(4096, 4160, 128, 128, 128)  # N not a multiple of the tile
     assert not wgmma_fits(4000, 4096, 4000, 128, 160)  # K tiles of whole 64-input chunks only
     x, packed = torch.zeros(16, 4096, dtype=torch.float16), torch.zeros(4160, 1024, dtype=torch.int16)
-    cfg = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4)
+    cfg = TileConfig("wgmma", 16, 128, 128, 1, num_warps=4, num_stages=4)
     with pytest.raises(ValueError, match="does not fit N 4160"):
         w4a16_wgmma_matmul(x, packed, torch.ones(32, 4160, dtype=torch.float16), None, None, 128, cfg)
     packed8, channel = torch.zeros(4160, 2048, dtype=torch.int8), torch.ones(4160)
     with pytest.raises(ValueError, match="does not fit N 4160"):  # before the activations are quantized
-        w4a8_wgmma_matmul(x, packed8, channel, torch.ones(32, 4160, dtype=torch.float16), None, 128, cfg)
+        w4a8_wgmma_matmul(x, packed8, channel, torch.ones(32, 4160, dtype=torch.float16), None, None, 128, cfg)
 
 
 def test_activations_reach_tma_16_byte_aligned() -> None:

@@ -22,8 +22,15 @@ from quantkit.engine import quantize_model
 from quantkit.eval import report
 from quantkit.eval.runner import run_eval
 from quantkit.models import get_adapter
-from quantkit.outputs import MARKER, OLD_PREFIX, TMP_PREFIX, check_output_target, clean_stale, staged_output
-from quantkit.preflight import check_free_space
+from quantkit.outputs import (
+    MARKER,
+    OLD_PREFIX,
+    TMP_PREFIX,
+    check_free_space,
+    check_output_target,
+    clean_stale,
+    staged_output,
+)
 from quantkit.qtensor import QuantizationError
 
 

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are decorated at import
 
+import json
 import logging
 
 import pytest
 import torch
-from quantkit.kernels import make_kernel_forward
+from quantkit.kernels import make_kernel_forward, registry
 from quantkit.kernels.autotune import TuningCache, candidates, pick_config
+from quantkit.kernels.layout import k_blocked, repack_for_swap, repack_for_w4a8_swap
+from quantkit.kernels.spec import TileConfig
 from test_kernels_w4a8_swap import qqq_layer
 from test_kernels_w4a16 import random_layer, relative_error
 
@@ -33,18 +37,23 @@ def test_kernel_forward_matches_reference_forward(act_bits, group, two_level, dt
     assert relative_error(out, layer.reference_forward(x).double()) < 2e-2
 
 
+def _record_launches(monkeypatch, scheme: str, name: str) -> list[TileConfig]:
+    """The configs the registered kernel `name` is launched with from now on (its registry entry wrapped)."""
+    spec, configs = registry.kernel(scheme, name), []
+    monkeypatch.setitem(registry.BY_NAME, (scheme, name),
+                        replace(spec, launch=lambda *args: configs.append(args[-1]) or spec.launch(*args)))
+    return configs
+
+
 @pytest.mark.parametrize(("act_bits", "group", "sym"), [(16, 64, True), (16, 64, False), (16, -1, False),
                                                        (8, 64, True), (8, -1, True)])
 def test_layers_run_the_swap_kernel_through_quantlinear(monkeypatch, act_bits, group, sym):
     """From 2 to 64 tokens the swap kernel is the default; its weight copy (in K blocks) exists for every W4A16 layer and for
     symmetric W4A8 ones (per channel, or two-level with integer group scales, as quantkit's QQQ writes them)."""
-    import quantkit.kernels.w4a8_swap as swap8
-    import quantkit.kernels.w4a16_swap as swap16
     from quantkit.kernels import SWAP_BLOCK, swap_weight_for
 
     two_level = act_bits == 8 and group != -1
-    mod, name = (swap16, "w4a16_swap_matmul") if act_bits == 16 else (swap8, "w4a8_swap_matmul")
-    repack = swap16.repack_for_swap if act_bits == 16 else swap8.repack_for_w4a8_swap
+    repack = repack_for_swap if act_bits == 16 else repack_for_w4a8_swap
 
     k = 1024  # whole K blocks for both schemes: the kernels run on the layers' k_blocked copies
 
@@ -54,17 +63,16 @@ def test_layers_run_the_swap_kernel_through_quantlinear(monkeypatch, act_bits, g
         return qqq_layer(k, 128, group, dtype)
 
     layer = layer_in(torch.float16)
-    assert torch.equal(swap_weight_for(layer, sym), swap16.k_blocked(repack(layer.qweight), k, SWAP_BLOCK[act_bits]))
+    assert torch.equal(swap_weight_for(layer, sym), k_blocked(repack(layer.qweight), k, SWAP_BLOCK[act_bits]))
     if act_bits == 8:
         assert swap_weight_for(layer, False) is None  # W4A8 zero points: the other kernels
     assert swap_weight_for(layer_in(torch.bfloat16), sym) is not None
-    configs, real = [], getattr(mod, name)
-    monkeypatch.setattr(mod, name, lambda *args: configs.append(args[-1]) or real(*args))
+    configs = _record_launches(monkeypatch, "w4a16" if act_bits == 16 else "w4a8", "swap")
     forward = make_kernel_forward(layer)
     for m in (5, 64):  # W4A8 two-level: 64-token tiles make QQQ's int8 weights in registers, 16-token ones drain
         x = torch.randn(m, k, dtype=torch.float16)
         assert relative_error(forward(x), layer.reference_forward(x).double()) < 2e-3
-    assert [(c["kernel"], c["BLOCK_M"]) for c in configs] == [("swap", 16), ("swap", 64)]
+    assert [(c.kernel, c.block_m) for c in configs] == [("swap", 16), ("swap", 64)]
     if two_level:  # fractional group scales (a QQQ-reference checkpoint): the other kernels
         layer.scales.add_(0.5)
         assert swap_weight_for(layer, True) is None
@@ -98,8 +106,9 @@ def test_two_level_overflow_falls_back(caplog):
 
 def test_tuning_cache_round_trip_and_defaults(tmp_path, monkeypatch):
     cache = TuningCache(tmp_path / "sub" / "tuning.json")
-    cache.put("a|b", {"kernel": "gemv", "BLOCK_N": 64})
-    assert TuningCache(cache.path).get("a|b") == {"kernel": "gemv", "BLOCK_N": 64}
+    cache.put("a|b", TileConfig("gemv", block_n=64))
+    assert TuningCache(cache.path).get("a|b") == TileConfig("gemv", block_n=64)
+    assert json.loads(cache.path.read_text()) == {"a|b": {"kernel": "gemv", "BLOCK_N": 64}}  # the file's form
     monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("QUANTKIT_AUTOTUNE", "0")
     x = torch.randn(3, 256)
@@ -132,7 +141,7 @@ def test_tuner_picks_the_fastest_candidate_timed_cold(tmp_path, monkeypatch):
     cost = {i: 10.0 + i for i in range(len(options))} | {2: 1.0}  # candidate 2 is the fastest
     ran, flushed = [], []
 
-    def run(cfg: dict) -> None:
+    def run(cfg: TileConfig) -> None:
         if options.index(cfg) == 1:
             raise RuntimeError("out of shared memory")
         ran.append(options.index(cfg))
@@ -153,7 +162,7 @@ def test_tuner_picks_the_fastest_candidate_timed_cold(tmp_path, monkeypatch):
     assert flushed == [96]
     stale_key = autotune.tuning_key("fake-gpu", "w4a16", x.dtype, 512, 256, 128, 3, False, None, False)
     stale_key = stale_key.replace(f"v{autotune.TUNING_VERSION}|", f"v{autotune.TUNING_VERSION - 1}|")
-    autotune._cache().put(stale_key, {"kernel": "from an earlier version"})  # never read back
+    autotune.tuning_cache().put(stale_key, TileConfig("from an earlier version"))  # never read back
     assert pick_config("w4a16", x, 512, 256, 128, run) == options[2]
     ran.clear()
     assert pick_config("w4a16", x, 512, 256, 128, run) == options[2] and ran == []  # from the cache
@@ -202,7 +211,7 @@ def test_tuner_drops_configs_that_give_wrong_results(tmp_path, monkeypatch, capl
     wrong = {0, 2}  # the default and the fastest
     timed = []
 
-    def run(cfg: dict) -> torch.Tensor:
+    def run(cfg: TileConfig) -> torch.Tensor:
         timed.append(options.index(cfg))
         if options.index(cfg) == 1:  # fails to run: kept, without a warning (the timing makes it lose)
             raise RuntimeError("out of shared memory")
@@ -271,10 +280,8 @@ def test_one_weight_copy_on_the_device_where_the_swap_kernels_serve_every_m(monk
     """Where the plain copy is not kept (QUANTKIT_PLAIN_COPY=0 here; Hopper's default) only the swap-layout kernels
     run, at every token count (past 512 without the Gluon kernels: the swap kernel's largest tiles), their results
     right; qweight moves to host memory, and exports, fusing and the reference path still read it."""
-    import quantkit.kernels.w4a8_swap as swap8
-    import quantkit.kernels.w4a16_swap as swap16
     from quantkit.kernels import keeps_plain_copy
-    from quantkit.kernels.autotune import SWAP_LAYOUT_KERNELS
+    from quantkit.kernels.registry import SWAP_LAYOUT_KERNELS
 
     assert keeps_plain_copy(torch.device("cpu"))  # off Hopper the plain copy stays by default
     monkeypatch.setenv("QUANTKIT_PLAIN_COPY", "0")
@@ -283,16 +290,14 @@ def test_one_weight_copy_on_the_device_where_the_swap_kernels_serve_every_m(monk
     for m in (1, 3, 64, 300, 1030):
         options = candidates("w4a16" if act_bits == 16 else "w4a8", m, 128, 512, layer.group_size, swap=True,
                              plain=False)
-        assert options and {c["kernel"] for c in options} <= set(SWAP_LAYOUT_KERNELS)
-    mod, name = (swap16, "w4a16_swap_matmul") if act_bits == 16 else (swap8, "w4a8_swap_matmul")
-    kernels, real = [], getattr(mod, name)
-    monkeypatch.setattr(mod, name, lambda *args: kernels.append(args[-1]["kernel"]) or real(*args))
+        assert options and {c.kernel for c in options} <= set(SWAP_LAYOUT_KERNELS)
+    configs = _record_launches(monkeypatch, "w4a16" if act_bits == 16 else "w4a8", "swap")
     forward = make_kernel_forward(layer)
     assert forward.plain_qweight.device.type == "cpu"
     for m in (3, 600):
         x = torch.randn(m, 512, dtype=torch.float16)
         assert relative_error(forward(x), layer.reference_forward(x).double()) < 2e-3
-    assert kernels == ["swap", "swap"]
+    assert [c.kernel for c in configs] == ["swap", "swap"]
     fused = QuantLinear.concatenated([layer, layer])
     assert torch.equal(fused.qweight, torch.cat([layer.qweight] * 2, dim=1))
     narrow = random_layer(512, 64, 64, torch.float16, sym=True)  # no swap tile takes 64 outputs at 64 tokens

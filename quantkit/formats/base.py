@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from quantkit.config import QuantConfig
-from quantkit.nn.qlinear import pack_along_rows, unpack_along_rows
+from quantkit.kernels.layout import pack_along_rows, unpack_along_rows
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 
 
@@ -61,6 +61,7 @@ class CheckpointFormat(ABC):
         """Read a quantization_config written by this format (or by the tools it is compatible with)."""
 
 
+# Filled by the built-in formats' modules, which the package's __init__ imports (Python runs it before this module)
 FORMATS: dict[str, type[CheckpointFormat]] = {}
 
 
@@ -70,8 +71,6 @@ def register(cls: type[CheckpointFormat]) -> type[CheckpointFormat]:
 
 
 def get_format(name: str) -> CheckpointFormat:
-    import quantkit.formats  # noqa: F401  (registers the built-in formats)
-
     if name not in FORMATS:
         available = ", ".join(sorted(FORMATS))
         raise QuantizationError(f"unknown checkpoint format {name!r}; available: {available}")
@@ -80,8 +79,6 @@ def get_format(name: str) -> CheckpointFormat:
 
 def detect_format(hf_config: dict) -> tuple[CheckpointFormat, CheckpointScheme]:
     """The format of a saved model from its config.json dict, and the scheme its quantized linears use."""
-    import quantkit.formats  # noqa: F401
-
     qconfig = hf_config.get("quantization_config")
     if not qconfig:
         raise QuantizationError("config.json has no quantization_config: this is not a quantized checkpoint")

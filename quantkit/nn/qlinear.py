@@ -21,35 +21,8 @@ import os
 import torch
 from torch import nn
 
+from quantkit.kernels.layout import int8_tokens, pack_along_rows, unpack_along_rows
 from quantkit.qtensor import QuantizedWeight
-
-
-def pack_along_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [K, N] -> int32 [K * bits / 32, N], element k of row r = code of row (32/bits)*r + k."""
-    per_word = 32 // bits
-    k, n = codes.shape
-    if k % per_word:
-        raise ValueError(f"input size {k} is not a multiple of {per_word} ({bits}-bit codes per int32)")
-    c = codes.to(torch.int64).reshape(k // per_word, per_word, n)
-    shifts = (torch.arange(per_word, device=codes.device, dtype=torch.int64) * bits).view(1, -1, 1)
-    packed = (c << shifts).sum(dim=1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
-def unpack_along_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of pack_along_rows: int32 [K * bits / 32, N] -> uint8 codes [K, N]."""
-    per_word = 32 // bits
-    rows, n = packed.shape
-    shifts = (torch.arange(per_word, device=packed.device, dtype=torch.int32) * bits).view(1, -1, 1)
-    c = (packed.unsqueeze(1) >> shifts) & (2**bits - 1)
-    return c.reshape(rows * per_word, n).to(torch.uint8)
-
-
-def int8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token symmetric int8: codes round(x / s) (int8, x's shape) and s = max|x_token| / 127 (fp32 [..., 1])."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8) / 127.0
-    codes = x.float() / scale  # a new tensor: round and clamp in place
-    return codes.round_().clamp_(-127, 127).to(torch.int8), scale
 
 
 def quantize_activations_per_token(x: torch.Tensor) -> torch.Tensor:

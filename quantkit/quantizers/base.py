@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from quantkit.config import MethodOptions, QuantConfig
+from quantkit.config import METHOD_OPTIONS, MethodOptions, QuantConfig
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.context import LayerContext
 
@@ -59,18 +59,18 @@ class Method(ABC):
         return {}
 
 
+# Filled by the built-in methods' modules, which the package's __init__ imports (Python runs it before this module)
 METHODS: dict[str, type[Method]] = {}
 
 
 def register(cls: type[Method]) -> type[Method]:
     METHODS[cls.name] = cls
+    METHOD_OPTIONS[cls.name] = cls.options_class
     return cls
 
 
 def registered_methods() -> dict[str, type[Method]]:
-    """Every method by name, the built-in ones included."""
-    import quantkit.quantizers  # noqa: F401  (registers the built-in methods)
-
+    """Every method by name (importing quantkit registers the built-in ones)."""
     return METHODS
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.nn.qlinear import int8_tokens
+from quantkit.kernels.layout import int8_tokens
 from quantkit.quantizers.qqq_grids import Int8Weight
 
 # int8 products are at most 127 * 128 in magnitude: any 1024 of them, summed in any order, stay below 2**24,
