@@ -32,6 +32,9 @@ class QuantConfig:
     smooth_samples: int | None = None
     # QQQ: keep a layer group's smoothing only if it lowers the block loss after GPTQ too (not only after rounding)
     smooth_check: bool = True
+    # MoE: every expert's statistics from every calibration token (the layer's output still follows the routing);
+    # off: each expert's from the tokens routed to it, too few tokens handled by models/moe.py's LowTokenGuard
+    moe_all_tokens: bool = False
     # modules never quantized (matched as name suffixes); lm_head and embeddings never are
     ignore: list[str] = field(default_factory=list)
 

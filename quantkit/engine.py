@@ -26,6 +26,7 @@ from torch import nn
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.models.adapters import ArchAdapter
+from quantkit.models.moe import attach_calibration, count_routed_tokens, low_token_guard, unfuse_experts
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.base import Method, get_method
@@ -66,6 +67,10 @@ class LayerContext:
     token_masks: list[torch.Tensor]  # bool [B, T] per batch, False on padding
     device: torch.device
     current_mask: torch.Tensor | None = None  # the batch being run, for hooks that drop padding
+    moe_all_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        attach_calibration(self.layer, self.adapter, self, self.moe_all_tokens)
 
     def module(self, name: str) -> nn.Module:
         return self.layer.get_submodule(name)
@@ -109,6 +114,8 @@ class LayerContext:
         """Rows of x ([B, T, ...] or [B*T, ...]) for non-padding tokens of the running batch, flattened."""
         assert self.current_mask is not None, "real_tokens() is only valid inside forward()"
         flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] != self.current_mask.numel():  # an expert's tokens: its MoE block sent only real ones
+            return flat
         return flat[self.current_mask.reshape(-1)]
 
     @contextmanager
@@ -214,7 +221,9 @@ def _quantize_step(
     ctx: LayerContext, method: Method, names: list[str], timer: _PhaseTimer
 ) -> dict[str, QuantizedWeight]:
     linears = {n: ctx.module(n) for n in names}
-    quantizers = {n: method.linear_quantizer(lin) for n, lin in linears.items()}
+    experts = ctx.adapter.experts
+    quantizers = {n: low_token_guard(method, lin, n, ctx.index) if experts and experts.is_expert_linear(n)
+                  else method.linear_quantizer(lin) for n, lin in linears.items()}
     if method.needs_activations:
         handles = [
             lin.register_forward_hook(lambda _m, args, _o, n=n: quantizers[n].add_batch(ctx.real_tokens(args[0])))
@@ -263,6 +272,7 @@ def quantize_model(
     report = QuantReport(config=config.to_dict(), calibration_tokens=calib.n_tokens)
     start = time.perf_counter()
     timer = _PhaseTimer(device, report.timings)
+    unfuse_experts(model, adapter)
     with timer("capture"):
         inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
     layers = adapter.get_layers(model)
@@ -274,14 +284,17 @@ def quantize_model(
             t0 = time.perf_counter()
             with timer("transfer"):
                 layer.to(device)
-            ctx = LayerContext(i, layer, adapter, inputs, _move(layer_kwargs[i], device), masks, device)
+            ctx = LayerContext(i, layer, adapter, inputs, _move(layer_kwargs[i], device), masks, device,
+                               moe_all_tokens=config.moe_all_tokens)
             with timer("smooth"):
                 entry: dict = {"layer": i, "smoothing": method.smooth_layer(ctx), "linears": {}}
             results: dict[str, QuantizedWeight] = {}
             for step in adapter.sequential:
                 results.update(_quantize_step(ctx, method, [n for n in step if _has(layer, n)], timer))
-            with timer("forward (layer outputs)"):
+            with timer("forward (layer outputs)"), count_routed_tokens(layer, adapter) as expert_tokens:
                 inputs = ctx.forward()
+            if expert_tokens:
+                entry["expert_tokens"] = expert_tokens
             if not all(torch.isfinite(x).all() for x in inputs):
                 raise QuantizationError(f"layer {i} produced non-finite outputs after quantization")
             for name, qw in results.items():
