@@ -29,7 +29,7 @@ CONFIGS = {
     "qwen3_moe": lambda: Qwen3MoeConfig(**_COMMON, head_dim=16, num_experts=EXPERTS, moe_intermediate_size=32,
                                         intermediate_size=96, norm_topk_prob=True),
     "qwen2_moe": lambda: Qwen2MoeConfig(**_COMMON, num_experts=EXPERTS, moe_intermediate_size=32,
-                                        shared_expert_intermediate_size=48, intermediate_size=96),
+                                        shared_expert_intermediate_size=64, intermediate_size=96),
     "mixtral": lambda: MixtralConfig(**_COMMON, num_local_experts=EXPERTS, intermediate_size=32),
     "olmoe": lambda: OlmoeConfig(**_COMMON, num_experts=EXPERTS, intermediate_size=32, norm_topk_prob=False),
 }
@@ -59,11 +59,11 @@ def tiny_moe(kind: str, dtype: torch.dtype = torch.float32, silent_expert: bool 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_unfused_block_computes_what_transformers_computes(kind: str) -> None:
-    model = tiny_model_f64 = tiny_moe(kind, torch.float64, silent_expert=False)
+    model = tiny_moe(kind, torch.float64, silent_expert=False)
     x = torch.randn(2, 7, 64, dtype=torch.float64)
     reference = [layer.mlp(x) for layer in model.model.layers]
     ids = torch.randint(0, 128, (2, 9))
-    logits = tiny_model_f64(ids).logits
+    logits = model(ids).logits
     unfuse_experts(model, get_adapter(model))
     for layer, expected in zip(model.model.layers, reference, strict=True):
         assert isinstance(layer.mlp, UnfusedMoe)
@@ -127,27 +127,20 @@ def test_every_expert_is_quantized_and_counted(kind: str, method: str) -> None:
     if method == "gptq":
         silent = f"layer 0 mlp.experts.{SILENT}.gate_proj: rtn"
         assert silent in report.fallbacks
-        assert report.layers[0]["linears"]["mlp.experts.0.gate_proj"]["tokens"] == counts[0] or True
 
 
 def test_expert_statistics_come_from_its_routed_real_tokens() -> None:
-    """GPTQ sees, per expert, exactly the real tokens routed to it (brute force over the router's top-2)."""
+    """Each expert linear's GPTQ statistics hold exactly the real tokens its router sends it: brute force over
+    the quantized model's own routers (the experts come after the router: quantizing them does not move it)."""
     model = tiny_moe("qwen3_moe")
-    reference = copy.deepcopy(model)
-    unfuse_experts(reference, get_adapter(reference))
     calib = random_calibration(pad_from={1: 10, 4: 3})
-    # layer 0's routing does not depend on any quantization: its router input is the unquantized model's
-    # only up to the attention, which GPTQ quantizes first; so compare against RTN-free expectations on layer 0
-    # with the attention already quantized: run the reference through the quantized attention instead.
     report = quantize_model(model, get_adapter(model), calib, QuantConfig(method="gptq", group_size=32),
                             device="cpu", show_progress=False)
-    counts = report.layers[0]["expert_tokens"]["mlp"]
-    for e in range(EXPERTS):
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            assert report.layers[0]["linears"][f"mlp.experts.{e}.{proj}"]["tokens"] == counts[e]
-    # the routing the counts come from is the model's (up to the quantized attention's effect on near-ties)
-    brute = _routed_counts(reference, calib)[0]
-    assert sum(abs(a - b) for a, b in zip(counts, brute, strict=True)) <= 4
+    for i, brute in enumerate(_routed_counts(model, calib)):
+        assert report.layers[i]["expert_tokens"]["mlp"] == brute
+        for e in range(EXPERTS):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                assert report.layers[i]["linears"][f"mlp.experts.{e}.{proj}"]["tokens"] == brute[e]
 
 
 def test_all_tokens_option_calibrates_every_expert_on_every_real_token() -> None:

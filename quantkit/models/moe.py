@@ -98,9 +98,7 @@ class UnfusedMoe(nn.Module):
                 y = torch.zeros_like(x)
                 y[real] = expert(x[real])  # statistics from every real token; the output keeps the routing
                 y = y[rows]
-            elif rows.numel() == 0:
-                continue
-            else:
+            else:  # run even without tokens: calibration hooks then see that expert's empty input
                 y = expert(x[rows])
             out.index_add_(0, rows, y * weights[rows, slot, None])
         if hasattr(self, "shared_expert"):
