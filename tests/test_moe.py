@@ -108,12 +108,12 @@ def _routed_counts(model: nn.Module, calib) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "qqq"])
 def test_every_expert_is_quantized_and_counted(kind: str, method: str) -> None:
     model = tiny_moe(kind)
     adapter = get_adapter(model)
     calib = random_calibration(pad_from={1: 10, 4: 3})
-    config = QuantConfig(method=method, group_size=32)
+    config = QuantConfig(method=method, group_size=32, act_bits=8 if method == "qqq" else 16, smooth_steps=8)
     report = quantize_model(model, adapter, calib, config, device="cpu", show_progress=False)
     for i, layer in enumerate(model.model.layers):
         for e in range(EXPERTS):
@@ -124,7 +124,7 @@ def test_every_expert_is_quantized_and_counted(kind: str, method: str) -> None:
         assert counts[SILENT] == 0
         real = int(calib.attention_mask.sum())
         assert sum(counts) == 2 * real  # top-2: each real token reaches two experts
-    if method == "gptq":
+    if method in ("gptq", "qqq"):
         silent = f"layer 0 mlp.experts.{SILENT}.gate_proj: rtn"
         assert silent in report.fallbacks
 

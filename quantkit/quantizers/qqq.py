@@ -279,10 +279,11 @@ class SmoothingProbe:
         self.masks, self.weights = masks, weights
         self.block, self.group_size = block, group_size
         real = [_real_rows(x, m) for x, m in zip(inputs, masks, strict=True)]
-        self.channel_max = torch.stack([r.amax(dim=0) for r in real]).amax(dim=0).float()
-        self.channel_min = torch.stack([r.amin(dim=0) for r in real]).amin(dim=0).float()
-        self.inputs = inputs[:loss_batches]
         self.tokens = sum(r.shape[0] for r in real[:loss_batches])
+        seen = [r for r in real if r.shape[0]] or [weights[0].new_zeros(1, weights[0].shape[1])]  # MoE experts
+        self.channel_max = torch.stack([r.amax(dim=0) for r in seen]).amax(dim=0).float()
+        self.channel_min = torch.stack([r.amin(dim=0) for r in seen]).amin(dim=0).float()
+        self.inputs = inputs[:loss_batches]
         self.targets = [block(i, x, None) for i, x in enumerate(self.inputs)]
 
     @classmethod
@@ -534,6 +535,10 @@ class QQQ(Method):
         for group in active_scaling_groups(ctx.layer, ctx.adapter):
             make_probe = _module_probe if group.inspect else _matmul_probe
             probe = make_probe(ctx, group, self.config.group_size, self._loss_batches(ctx))
+            if probe.tokens == 0:  # an MoE expert no calibration token was routed to
+                log.warning("layer %d %s: QQQ smoothing skipped (no calibration tokens)", ctx.index, group.prev)
+                report[group.prev] = {"skipped": "no calibration tokens"}
+                continue
             choice = search_smoothing(probe, self.config.smooth_steps, self.config.smooth_search)
             if self.config.smooth_check:
                 choice = confirm_after_gptq(probe, choice, self.config)
