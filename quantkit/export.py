@@ -13,6 +13,7 @@ from torch import nn
 
 from quantkit.config import QuantConfig
 from quantkit.formats import get_format
+from quantkit.models.moe import checkpoint_name
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError
 
@@ -99,12 +100,17 @@ def export_checkpoint(
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
-        _write_shards(build_state_dict(model, fmt_name, torch_dtype), tmp)
+        tensors = build_state_dict(model, fmt_name, torch_dtype)
+        _write_shards({checkpoint_name(model, k): v for k, v in tensors.items()}, tmp)
         hf_config = model.config.to_dict()
         hf_config.pop("quantization_config", None)
         hf_config["dtype"] = hf_config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
         hf_config["use_cache"] = True
-        hf_config["quantization_config"] = fmt.quantization_config(config, ignored_modules=["lm_head"])
+        # every linear left in full precision: lm_head, and MoE routers / shared-expert gates, which loaders
+        # would otherwise expect packed
+        unquantized = [checkpoint_name(model, name) for name, module in model.named_modules()
+                       if isinstance(module, nn.Linear)]
+        hf_config["quantization_config"] = fmt.quantization_config(config, ignored_modules=unquantized)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)

@@ -13,7 +13,7 @@ from transformers.modeling_utils import PreTrainedModel
 
 from quantkit.formats import detect_format
 from quantkit.models.adapters import find_adapter
-from quantkit.models.moe import unfuse_experts
+from quantkit.models.moe import checkpoint_name, unfuse_experts
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError
 
@@ -49,7 +49,7 @@ def load_quantized(
     adapter = find_adapter(config.model_type)
     if adapter is not None:  # per-expert tensors load into the per-expert form quantization wrote
         unfuse_experts(model, adapter)
-    tensors = _read_tensors(folder)
+    tensors = {checkpoint_name(model, k, reverse=True): v for k, v in _read_tensors(folder).items()}
     for prefix, module_tensors in _group_by_module(tensors, fmt.marker_tensor).items():
         qw = fmt.unpack(module_tensors, qconfig)
         bias = module_tensors.get("bias")

@@ -193,3 +193,17 @@ def test_export_reloads_with_equal_logits(tmp_path, kind: str, fmt: str, sym: bo
     ids = torch.randint(0, 128, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_transformers_loads_the_compressed_tensors_export(tmp_path, kind: str) -> None:
+    """transformers decompresses the per-expert tensors into its fused 3-D experts: same logits as quantkit."""
+    model = tiny_moe(kind)
+    config = QuantConfig(method="gptq", group_size=32)
+    quantize_model(model, get_adapter(model), random_calibration(), config, device="cpu", show_progress=False)
+    out = export_checkpoint(model, None, tmp_path / kind, config, "compressed-tensors", dtype="float32")
+    hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)

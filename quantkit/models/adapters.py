@@ -82,6 +82,15 @@ class MoeExperts:
     fused_experts: bool = True
     shared_expert: str | None = None  # a dense MLP every token goes through (qwen2_moe)
     shared_expert_gate: str | None = None  # nn.Linear(hidden, 1): sigmoid-gates the shared expert's output
+    # (quantkit name part, checkpoint name part) pairs where on-disk checkpoints, and so vLLM's and transformers'
+    # loaders, name this architecture's tensors otherwise; applied in order to every exported name
+    checkpoint_names: tuple[tuple[str, str], ...] = ()
+
+    def checkpoint_name(self, name: str, reverse: bool = False) -> str:
+        """A quantkit module or tensor name as the checkpoints name it (reverse: the other way)."""
+        for ours, theirs in self.checkpoint_names:
+            name = name.replace(theirs, ours) if reverse else name.replace(ours, theirs)
+        return name
 
     def is_expert_linear(self, name: str) -> bool:
         return name.startswith(f"{self.block}.experts.")
@@ -230,7 +239,8 @@ ADAPTERS: tuple[ArchAdapter, ...] = (
     _moe("qwen3_moe", ("qwen3_moe",), MoeExperts(count="num_experts")),
     _moe("qwen2_moe", ("qwen2_moe",), MoeExperts(count="num_experts", shared_expert="mlp.shared_expert",
                                                  shared_expert_gate="mlp.shared_expert_gate")),
-    _moe("mixtral", ("mixtral",), MoeExperts(count="num_local_experts")),
+    _moe("mixtral", ("mixtral",), MoeExperts(count="num_local_experts", checkpoint_names=(
+        (".mlp.", ".block_sparse_moe."), (".gate_proj", ".w1"), (".up_proj", ".w3"), (".down_proj", ".w2")))),
     _moe("olmoe", ("olmoe",), MoeExperts(count="num_experts")),
 )
 

@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from quantkit.models.adapters import ArchAdapter
+from quantkit.models.adapters import ArchAdapter, find_adapter
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.base import LinearQuantizer, Method
 
@@ -200,3 +200,12 @@ def low_token_guard(method: Method, linear: nn.Linear, name: str, layer: int) ->
     """The method's quantizer for an expert linear; guarded only where the method calibrates on tokens."""
     inner = method.linear_quantizer(linear)
     return LowTokenGuard(inner, f"layer {layer} {name}") if method.needs_activations else inner
+
+
+def checkpoint_name(model: nn.Module, name: str, reverse: bool = False) -> str:
+    """A name of the model's (a module's or tensor's) as checkpoints of its architecture write it (reverse: the
+    checkpoint's name as quantkit's per-expert form has it)."""
+    adapter = find_adapter(getattr(model.config, "model_type", ""))
+    if adapter is None or adapter.experts is None:
+        return name
+    return adapter.experts.checkpoint_name(name, reverse)
