@@ -24,24 +24,29 @@ from quantkit.reload import load_quantized
 EXPERTS = 4
 SILENT = EXPERTS - 1  # the expert no token is routed to
 _COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-               max_position_embeddings=256, num_experts_per_tok=2)
+               max_position_embeddings=512, num_experts_per_tok=2)
 CONFIGS = {
-    "qwen3_moe": lambda: Qwen3MoeConfig(**_COMMON, head_dim=16, num_experts=EXPERTS, moe_intermediate_size=32,
-                                        intermediate_size=96, norm_topk_prob=True),
-    "qwen2_moe": lambda: Qwen2MoeConfig(**_COMMON, num_experts=EXPERTS, moe_intermediate_size=32,
-                                        shared_expert_intermediate_size=64, intermediate_size=96),
-    "mixtral": lambda: MixtralConfig(**_COMMON, num_local_experts=EXPERTS, intermediate_size=32),
-    "olmoe": lambda: OlmoeConfig(**_COMMON, num_experts=EXPERTS, intermediate_size=32, norm_topk_prob=False),
+    "qwen3_moe": lambda **kw: Qwen3MoeConfig(**{**_COMMON, "head_dim": 16, "num_experts": EXPERTS,
+                                                 "moe_intermediate_size": 32, "intermediate_size": 96,
+                                                 "norm_topk_prob": True, **kw}),
+    "qwen2_moe": lambda **kw: Qwen2MoeConfig(**{**_COMMON, "num_experts": EXPERTS, "moe_intermediate_size": 32,
+                                                 "shared_expert_intermediate_size": 64, "intermediate_size": 96,
+                                                 **kw}),
+    "mixtral": lambda **kw: MixtralConfig(**{**_COMMON, "num_local_experts": EXPERTS, "intermediate_size": 32,
+                                             **kw}),
+    "olmoe": lambda **kw: OlmoeConfig(**{**_COMMON, "num_experts": EXPERTS, "intermediate_size": 32,
+                                         "norm_topk_prob": False, **kw}),
 }
 KINDS = list(CONFIGS)
 
 
-def tiny_moe(kind: str, dtype: torch.dtype = torch.float32, silent_expert: bool = True) -> nn.Module:
+def tiny_moe(kind: str, dtype: torch.dtype = torch.float32, silent_expert: bool = True, **config: object) -> nn.Module:
     """A random MoE model; with silent_expert, hidden channel 0 is a constant 10 in every layer's residual
     (embeddings, nothing writes to it) and the router's row of expert SILENT is -100 on it: never routed to."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[kind](), dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_config(CONFIGS[kind](**config), dtype=dtype).eval()
     model.set_experts_implementation("eager")  # the reference loop (grouped_mm has no float64)
+    model.config.architectures = [type(model).__name__]  # what vLLM picks its model class by
     with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(0, 1)  # spread the routing (some routers start at zero)
