@@ -26,7 +26,13 @@ from torch import nn
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.models.adapters import ArchAdapter
-from quantkit.models.moe import attach_calibration, count_routed_tokens, low_token_guard, unfuse_experts
+from quantkit.models.moe import (
+    attach_calibration,
+    check_experts_quantized,
+    count_routed_tokens,
+    low_token_guard,
+    unfuse_experts,
+)
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.base import Method, get_method
@@ -272,6 +278,7 @@ def quantize_model(
     report = QuantReport(config=config.to_dict(), calibration_tokens=calib.n_tokens)
     start = time.perf_counter()
     timer = _PhaseTimer(device, report.timings)
+    adapter = adapter.for_config(model.config)  # MoE: one name per expert (get_adapter(model) did it already)
     unfuse_experts(model, adapter)
     with timer("capture"):
         inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
@@ -307,6 +314,7 @@ def quantize_model(
                 entry["linears"][name] = qw.info
                 if qw.info.get("fallback"):
                     report.fallbacks.append(f"layer {i} {name}: {qw.info['fallback']}")
+            check_experts_quantized(layer, adapter, i)
             with timer("transfer"):
                 layer.to("cpu")
             entry["seconds"] = time.perf_counter() - t0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -212,3 +213,19 @@ def test_transformers_loads_the_compressed_tensors_export(tmp_path, kind: str) -
     ids = torch.randint(0, 128, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(hf.eval()(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_no_expert_is_left_unquantized() -> None:
+    """The model_type's entry (names with "*") is expanded for the model by the engine itself; an entry that
+    missed an expert linear fails loudly instead of leaving it in full precision."""
+    model = tiny_moe("mixtral")
+    quantize_model(model, get_adapter("mixtral"), random_calibration(), QuantConfig(method="rtn", group_size=32),
+                   device="cpu", show_progress=False)
+    assert all(isinstance(m, QuantLinear) for m in model.model.layers[1].mlp.experts.modules()
+               if isinstance(m, QuantLinear | nn.Linear))
+    adapter = get_adapter(model)
+    partial = replace(adapter, sequential=tuple(tuple(n for n in step if "experts.2." not in n)
+                                                for step in adapter.sequential))
+    with pytest.raises(QuantizationError, match=r"layer 0: expert linears left unquantized: mlp\.experts\.2"):
+        quantize_model(tiny_moe("mixtral"), partial, random_calibration(), QuantConfig(method="rtn", group_size=32),
+                       device="cpu", show_progress=False)

@@ -123,11 +123,16 @@ def _unfuse_block(block: nn.Module, shared: bool) -> UnfusedMoe:
                       block.shared_expert if shared else None, block.shared_expert_gate if shared else None)
 
 
-def moe_blocks(layer: nn.Module, adapter: ArchAdapter) -> list[UnfusedMoe]:
+def _named_blocks(layer: nn.Module, adapter: ArchAdapter) -> list[tuple[str, UnfusedMoe]]:
+    """The layer's unfused MoE block with its name, if it has one (dense layers: none)."""
     if adapter.experts is None:
         return []
     block = layer.get_submodule(adapter.experts.block)
-    return [block] if isinstance(block, UnfusedMoe) else []
+    return [(adapter.experts.block, block)] if isinstance(block, UnfusedMoe) else []
+
+
+def moe_blocks(layer: nn.Module, adapter: ArchAdapter) -> list[UnfusedMoe]:
+    return [block for _, block in _named_blocks(layer, adapter)]
 
 
 def unfuse_experts(model: nn.Module, adapter: ArchAdapter) -> None:
@@ -146,6 +151,15 @@ def unfuse_experts(model: nn.Module, adapter: ArchAdapter) -> None:
                 _unfuse_block(block, spec.shared_expert is not None))
 
 
+def check_experts_quantized(layer: nn.Module, adapter: ArchAdapter, index: int) -> None:
+    """No expert linear may stay in full precision unnoticed (e.g. a name missing from the entry)."""
+    left = [f"{block_name}.experts.{name}" for block_name, block in _named_blocks(layer, adapter)
+            for name, module in block.experts.named_modules() if isinstance(module, nn.Linear)]
+    if left:
+        raise QuantizationError(f"layer {index}: expert linears left unquantized: {', '.join(left[:4])}; "
+                                f"the {adapter.name} entry's sequential steps do not name them")
+
+
 def attach_calibration(layer: nn.Module, adapter: ArchAdapter, source: _MaskSource, all_tokens: bool) -> None:
     """The layer's MoE blocks route only source.current_mask's real tokens (when set) to their experts."""
     for block in moe_blocks(layer, adapter):
@@ -155,15 +169,15 @@ def attach_calibration(layer: nn.Module, adapter: ArchAdapter, source: _MaskSour
 @contextmanager
 def count_routed_tokens(layer: nn.Module, adapter: ArchAdapter) -> Iterator[dict[str, list[int]]]:
     """While active, the real tokens routed to each expert, per MoE block name (filled on exit)."""
-    blocks = moe_blocks(layer, adapter)
+    blocks = _named_blocks(layer, adapter)
     counts: dict[str, list[int]] = {}
-    for block in blocks:
+    for _, block in blocks:
         block.token_counts = torch.zeros(len(block.experts), dtype=torch.long)
     try:
         yield counts
     finally:
-        for block in blocks:
-            counts[adapter.experts.block] = block.token_counts.tolist()
+        for name, block in blocks:
+            counts[name] = block.token_counts.tolist()
             block.token_counts = None
 
 
