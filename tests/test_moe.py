@@ -49,7 +49,7 @@ def tiny_moe(kind: str, dtype: torch.dtype = torch.float32, silent_expert: bool 
     model.set_experts_implementation("eager")  # the reference loop (grouped_mm has no float64)
     model.config.architectures = [type(model).__name__]  # what vLLM picks its model class by
     with torch.no_grad():
-        for layer in model.model.layers:
+        for layer in [la for la in model.model.layers if hasattr(la.mlp, "experts")]:  # not dense MLP layers
             layer.mlp.gate.weight.normal_(0, 1)  # spread the routing (some routers start at zero)
             if silent_expert:
                 layer.mlp.gate.weight[SILENT] = 0
@@ -229,3 +229,15 @@ def test_no_expert_is_left_unquantized() -> None:
     with pytest.raises(QuantizationError, match=r"layer 0: expert linears left unquantized: mlp\.experts\.2"):
         quantize_model(tiny_moe("mixtral"), partial, random_calibration(), QuantConfig(method="rtn", group_size=32),
                        device="cpu", show_progress=False)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_dense_and_moe_layers_mixed(method: str) -> None:
+    """Qwen's mlp_only_layers: a dense MLP layer quantizes its dense names, an MoE layer its experts."""
+    model = tiny_moe("qwen3_moe", silent_expert=False, mlp_only_layers=[0])
+    report = quantize_model(model, get_adapter(model), random_calibration(), QuantConfig(method=method, group_size=32),
+                            device="cpu", show_progress=False)
+    dense, sparse = model.model.layers
+    assert all(isinstance(dense.mlp.get_submodule(p), QuantLinear) for p in ("gate_proj", "up_proj", "down_proj"))
+    assert isinstance(sparse.mlp, UnfusedMoe)
+    assert "expert_tokens" not in report.layers[0] and sum(report.layers[1]["expert_tokens"]["mlp"]) > 0
