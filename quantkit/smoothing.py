@@ -21,7 +21,7 @@ def active_scaling_groups(layer: nn.Module, adapter: ArchAdapter) -> list[Scalin
     groups = []
     for group in adapter.scaling_groups:
         prev = modules.get(group.prev)
-        if prev is None:
+        if prev is None or group.linears[0] not in modules:
             continue
         if group.requires_square:
             first = layer.get_submodule(group.linears[0])
@@ -53,6 +53,6 @@ def fold_scales(layer: nn.Module, adapter: ArchAdapter, group: ScalingGroup, sca
         prev.weight.copy_(_wide(prev.weight).div(s))
         if getattr(prev, "bias", None) is not None:
             prev.bias.copy_(_wide(prev.bias).div(s))
-    for name in group.linears:
+    for name in (*group.linears, *group.passengers):
         linear = layer.get_submodule(name)
         linear.weight.copy_(_wide(linear.weight).mul(s.to(linear.weight.device)[None, :]))

@@ -21,6 +21,7 @@ from quantkit.models.moe import UnfusedMoe, unfuse_experts
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError
 from quantkit.reload import load_quantized
+from quantkit.smoothing import active_scaling_groups, fold_scales
 
 EXPERTS = 4
 SILENT = EXPERTS - 1  # the expert no token is routed to
@@ -241,3 +242,31 @@ def test_dense_and_moe_layers_mixed(method: str) -> None:
     assert all(isinstance(dense.mlp.get_submodule(p), QuantLinear) for p in ("gate_proj", "up_proj", "down_proj"))
     assert isinstance(sparse.mlp, UnfusedMoe)
     assert "expert_tokens" not in report.layers[0] and sum(report.layers[1]["expert_tokens"]["mlp"]) > 0
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
+def test_folding_the_norm_scales_keeps_the_moe_block(kind: str) -> None:
+    """The post-attention norm's group scales every expert's gate/up and the router (and the shared expert's
+    gate) together: in float64 the layer, routing included, computes the same."""
+    model = tiny_moe(kind, torch.float64, silent_expert=False)
+    adapter = get_adapter(model)
+    unfuse_experts(model, adapter)
+    layer = model.model.layers[0]
+    group = next(g for g in active_scaling_groups(layer, adapter) if g.passengers)
+    assert group.input_of == "mlp.gate"
+    assert set(group.linears) >= {f"mlp.experts.{e}.{p}" for e in range(EXPERTS) for p in ("gate_proj", "up_proj")}
+    x = torch.randn(2, 7, 64, dtype=torch.float64)
+    before = layer.mlp(layer.post_attention_layernorm(x))
+    fold_scales(layer, adapter, group, torch.rand(64, dtype=torch.float64) + 0.5)
+    torch.testing.assert_close(layer.mlp(layer.post_attention_layernorm(x)), before, rtol=1e-12, atol=1e-12)
+
+
+def test_awq_searches_the_norm_to_experts_group_on_every_real_token() -> None:
+    model = tiny_moe("qwen2_moe")
+    calib = random_calibration(pad_from={1: 10})
+    report = quantize_model(model, get_adapter(model), calib, QuantConfig(method="awq", group_size=32),
+                            device="cpu", show_progress=False)
+    search = report.layers[0]["smoothing"]["scales"]["post_attention_layernorm"]
+    assert search["tokens"] == int(calib.attention_mask.sum())
+    assert "mlp.experts.3.up_proj" in search["linears"] and "mlp.shared_expert.gate_proj" in search["linears"]
+    assert "skipped" not in search

@@ -47,6 +47,14 @@ class ScalingGroup:
     inspect: str | None = None
     # v -> o is only valid when the shapes match (no GQA): checked at run time.
     requires_square: bool = False
+    # modules that also read prev's output and are never quantized (an MoE router, the shared expert's gate):
+    # scaled with the linears so that they compute the same, never searched or quantized
+    passengers: tuple[str, ...] = ()
+
+    @property
+    def input_of(self) -> str:
+        """A module whose input is the group's whole input (an expert's linears see only its routed tokens)."""
+        return self.passengers[0] if self.passengers else self.linears[0]
 
     def expand(self, experts: int) -> tuple[ScalingGroup, ...]:
         """One group per expert when `prev` is an expert's ("*"); else the linears' "*" names expanded."""
@@ -185,12 +193,14 @@ def _moe(name: str, model_types: tuple[str, ...], experts: MoeExperts) -> ArchAd
     """A Llama-like decoder whose MLP is a sparse MoE block (dense MLP layers, as Qwen's mlp_only_layers, keep
     the dense names: each layer quantizes the names it has).
 
-    Smoothing: input_layernorm -> q/k/v, v -> o, and each expert's (and the shared expert's) up -> down on its
-    own. The post-attention norm -> every expert's gate/up group is not searched yet: the norm also feeds the
-    router, and AWQ/QQQ measure a group's input at its first linear, which only sees an expert's routed tokens.
+    Smoothing: input_layernorm -> q/k/v, v -> o; the post-attention norm -> every expert's and the shared
+    expert's gate/up together (the router and the shared expert's gate read the norm too: they are scaled along,
+    unquantized; the loss is the whole MoE block's output); each expert's (and the shared expert's) up -> down on
+    its own.
     """
     shared = experts.shared_expert is not None
-    gate_up = (*_MLP, *_EXPERT_GATE_UP, *(_SHARED_GATE_UP if shared else ()))
+    sparse_gate_up = (*_EXPERT_GATE_UP, *(_SHARED_GATE_UP if shared else ()))
+    gate_up = (*_MLP, *sparse_gate_up)
     down = ("mlp.down_proj", "mlp.experts.*.down_proj", *(("mlp.shared_expert.down_proj",) if shared else ()))
     return ArchAdapter(
         name=name,
@@ -201,6 +211,9 @@ def _moe(name: str, model_types: tuple[str, ...], experts: MoeExperts) -> ArchAd
         scaling_groups=(
             ScalingGroup("input_layernorm", _ATTN, inspect="self_attn"),
             ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), requires_square=True),
+            ScalingGroup("post_attention_layernorm", _MLP, inspect="mlp"),  # dense MLP layers
+            ScalingGroup("post_attention_layernorm", sparse_gate_up, inspect="mlp",
+                         passengers=("mlp.gate", *((experts.shared_expert_gate,) if shared else ()))),
             ScalingGroup("mlp.up_proj", ("mlp.down_proj",)),
             ScalingGroup("mlp.experts.*.up_proj", ("mlp.experts.*.down_proj",)),
             *((ScalingGroup("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",)),) if shared else ()),

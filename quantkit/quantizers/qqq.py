@@ -533,6 +533,9 @@ class QQQ(Method):
     def smooth_layer(self, ctx: LayerContext) -> dict:
         report = {}
         for group in active_scaling_groups(ctx.layer, ctx.adapter):
+            if group.passengers:  # its loss would be measured at one expert's down_proj input only
+                report[group.prev] = {"skipped": "QQQ does not smooth a norm that also feeds a router yet"}
+                continue
             make_probe = _module_probe if group.inspect else _matmul_probe
             probe = make_probe(ctx, group, self.config.group_size, self._loss_batches(ctx))
             if probe.tokens == 0:  # an MoE expert no calibration token was routed to
