@@ -44,11 +44,12 @@ class _MaskSource(Protocol):
 
 
 class ExpertMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act_fn: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, intermediate: int, act_fn: nn.Module, like: torch.Tensor) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+        kwargs = {"bias": False, "dtype": like.dtype, "device": like.device}
+        self.gate_proj = nn.Linear(hidden, intermediate, **kwargs)
+        self.up_proj = nn.Linear(hidden, intermediate, **kwargs)
+        self.down_proj = nn.Linear(intermediate, hidden, **kwargs)
         self.act_fn = act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,10 +111,10 @@ def _unfuse_block(block: nn.Module, shared: bool) -> UnfusedMoe:
     fused, router = block.experts, block.gate
     count, hidden = router.weight.shape
     intermediate = fused.down_proj.shape[2]
-    dtype = fused.down_proj.dtype
-    gate = nn.Linear(hidden, count, bias=False, dtype=dtype)
+    like = fused.down_proj
+    gate = nn.Linear(hidden, count, bias=False, dtype=like.dtype, device=like.device)
     gate.weight.data.copy_(router.weight.data)
-    experts = nn.ModuleList(ExpertMLP(hidden, intermediate, fused.act_fn, dtype) for _ in range(count))
+    experts = nn.ModuleList(ExpertMLP(hidden, intermediate, fused.act_fn, like) for _ in range(count))
     for e, expert in enumerate(experts):
         gate_w, up_w = fused.gate_up_proj.data[e].chunk(2, dim=0)
         expert.gate_proj.weight.data.copy_(gate_w)
