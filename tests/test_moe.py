@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2
 from quantkit.config import QuantConfig
 from quantkit.engine import quantize_model
 from quantkit.export import export_checkpoint
-from quantkit.models import get_adapter
+from quantkit.models import get_adapter, loading
 from quantkit.models.moe import UnfusedMoe, unfuse_experts
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError
@@ -270,3 +270,14 @@ def test_awq_searches_the_norm_to_experts_group_on_every_real_token() -> None:
     assert search["tokens"] == int(calib.attention_mask.sum())
     assert "mlp.experts.3.up_proj" in search["linears"] and "mlp.shared_expert.gate_proj" in search["linears"]
     assert "skipped" not in search
+
+
+def test_load_model_gives_the_per_expert_form(tmp_path, monkeypatch) -> None:
+    model = tiny_moe("qwen2_moe")
+    model.save_pretrained(tmp_path)
+    monkeypatch.setattr(loading, "load_tokenizer", lambda *_args: None)  # the tiny model has no tokenizer
+    loaded, _ = loading.load_model(tmp_path)
+    assert all(isinstance(layer.mlp, UnfusedMoe) for layer in loaded.model.layers)
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)

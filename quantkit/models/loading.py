@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from quantkit.models.adapters import find_adapter
+from quantkit.models.moe import unfuse_experts
 from quantkit.qtensor import QuantizationError
 
 log = logging.getLogger("quantkit")
@@ -93,6 +95,9 @@ def load_model(
             use_safetensors=None if allow_pickle else True,
         )
     model.eval()
+    adapter = find_adapter(model.config.model_type)
+    if adapter is not None:  # MoE: per-expert linears from the start, so every check sees the experts' names
+        unfuse_experts(model, adapter.for_config(model.config))
     return model, load_tokenizer(source, trust_remote_code)
 
 
