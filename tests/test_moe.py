@@ -281,3 +281,14 @@ def test_load_model_gives_the_per_expert_form(tmp_path, monkeypatch) -> None:
     ids = torch.randint(0, 128, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_unfused_block_in_bfloat16(kind: str) -> None:
+    """In the dtype models run in, the routing weights are rounded where transformers rounds them."""
+    model = tiny_moe(kind, torch.bfloat16, silent_expert=False)
+    x = torch.randn(2, 7, 64, dtype=torch.bfloat16)
+    reference = [layer.mlp(x) for layer in model.model.layers]
+    unfuse_experts(model, get_adapter(model))
+    for layer, expected in zip(model.model.layers, reference, strict=True):
+        torch.testing.assert_close(layer.mlp(x), expected, rtol=0, atol=0)

@@ -90,6 +90,8 @@ class MoeExperts:
     fused_experts: bool = True
     shared_expert: str | None = None  # a dense MLP every token goes through (qwen2_moe)
     shared_expert_gate: str | None = None  # nn.Linear(hidden, 1): sigmoid-gates the shared expert's output
+    # Mixtral scales expert outputs by fp32 routing weights; Qwen and OLMoE first cast them to the model's dtype
+    fp32_routing_weights: bool = False
     # (quantkit name part, checkpoint name part) pairs where on-disk checkpoints, and so vLLM's and transformers'
     # loaders, name this architecture's tensors otherwise; applied in order to every exported name
     checkpoint_names: tuple[tuple[str, str], ...] = ()
@@ -252,7 +254,7 @@ ADAPTERS: tuple[ArchAdapter, ...] = (
     _moe("qwen3_moe", ("qwen3_moe",), MoeExperts(count="num_experts")),
     _moe("qwen2_moe", ("qwen2_moe",), MoeExperts(count="num_experts", shared_expert="mlp.shared_expert",
                                                  shared_expert_gate="mlp.shared_expert_gate")),
-    _moe("mixtral", ("mixtral",), MoeExperts(count="num_local_experts", checkpoint_names=(
+    _moe("mixtral", ("mixtral",), MoeExperts(count="num_local_experts", fp32_routing_weights=True, checkpoint_names=(
         (".mlp.", ".block_sparse_moe."), (".gate_proj", ".w1"), (".up_proj", ".w3"), (".down_proj", ".w2")))),
     _moe("olmoe", ("olmoe",), MoeExperts(count="num_experts")),
 )

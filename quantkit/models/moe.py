@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from quantkit.models.adapters import ArchAdapter, find_adapter
+from quantkit.models.adapters import ArchAdapter, MoeExperts, find_adapter
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.base import LinearQuantizer, Method
 
@@ -58,8 +58,10 @@ class ExpertMLP(nn.Module):
 
 class UnfusedMoe(nn.Module):
     def __init__(self, gate: nn.Linear, experts: nn.ModuleList, top_k: int, norm_topk_prob: bool,
-                 shared_expert: nn.Module | None = None, shared_expert_gate: nn.Module | None = None) -> None:
+                 shared_expert: nn.Module | None = None, shared_expert_gate: nn.Module | None = None,
+                 fp32_routing_weights: bool = False) -> None:
         super().__init__()
+        self.fp32_routing_weights = fp32_routing_weights
         self.gate = gate
         self.experts = experts
         if shared_expert is not None:
@@ -71,12 +73,12 @@ class UnfusedMoe(nn.Module):
         self.token_counts: torch.Tensor | None = None  # routed real tokens per expert, while counting
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k routing weights (in x's dtype) and expert indices, [tokens, top_k] each."""
+        """Top-k routing weights (fp32, or x's dtype) and expert indices, [tokens, top_k] each."""
         logits = self.gate(x)
         weights, index = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), index
+        return weights if self.fp32_routing_weights else weights.to(logits.dtype), index
 
     def _real_rows(self) -> torch.Tensor | None:
         source = self._calibration() if self._calibration is not None else None
@@ -101,13 +103,13 @@ class UnfusedMoe(nn.Module):
                 y = y[rows]
             else:  # run even without tokens: calibration hooks then see that expert's empty input
                 y = expert(x[rows])
-            out.index_add_(0, rows, y * weights[rows, slot, None])
+            out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(hidden_states.shape)
 
 
-def _unfuse_block(block: nn.Module, shared: bool) -> UnfusedMoe:
+def _unfuse_block(block: nn.Module, spec: MoeExperts) -> UnfusedMoe:
     fused, router = block.experts, block.gate
     count, hidden = router.weight.shape
     intermediate = fused.down_proj.shape[2]
@@ -120,8 +122,10 @@ def _unfuse_block(block: nn.Module, shared: bool) -> UnfusedMoe:
         expert.gate_proj.weight.data.copy_(gate_w)
         expert.up_proj.weight.data.copy_(up_w)
         expert.down_proj.weight.data.copy_(fused.down_proj.data[e])
+    shared = spec.shared_expert is not None
     return UnfusedMoe(gate, experts, router.top_k, getattr(router, "norm_topk_prob", True),
-                      block.shared_expert if shared else None, block.shared_expert_gate if shared else None)
+                      block.shared_expert if shared else None, block.shared_expert_gate if shared else None,
+                      spec.fp32_routing_weights)
 
 
 def _named_blocks(layer: nn.Module, adapter: ArchAdapter) -> list[tuple[str, UnfusedMoe]]:
@@ -149,7 +153,7 @@ def unfuse_experts(model: nn.Module, adapter: ArchAdapter) -> None:
             continue  # done already, or a dense MLP layer (Qwen's mlp_only_layers)
         parent, _, child = spec.block.rpartition(".")
         setattr(layer.get_submodule(parent) if parent else layer, child,
-                _unfuse_block(block, spec.shared_expert is not None))
+                _unfuse_block(block, spec))
 
 
 def check_experts_quantized(layer: nn.Module, adapter: ArchAdapter, index: int) -> None:
