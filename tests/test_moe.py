@@ -292,3 +292,15 @@ def test_unfused_block_in_bfloat16(kind: str) -> None:
     unfuse_experts(model, get_adapter(model))
     for layer, expected in zip(model.model.layers, reference, strict=True):
         torch.testing.assert_close(layer.mlp(x), expected, rtol=0, atol=0)
+
+
+def test_qqq_smooths_the_norm_to_experts_group_at_the_block_output() -> None:
+    """QQQ measures the norm -> experts group's loss at the MoE block's output (each expert's down_proj sees only
+    its own tokens), experts without tokens included."""
+    model = tiny_moe("qwen2_moe")
+    calib = random_calibration(pad_from={1: 10})
+    config = QuantConfig(method="qqq", group_size=32, act_bits=8, smooth_steps=8)
+    report = quantize_model(model, get_adapter(model), calib, config, device="cpu", show_progress=False)
+    for entry in report.layers:
+        choice = entry["smoothing"]["post_attention_layernorm"]
+        assert "skipped" not in choice, choice

@@ -244,7 +244,7 @@ class Int8Linears:
         else:
             out = int8_matmul(codes, weight.values.t()).to(x.dtype)
         out = out.mul_(token_scales.to(x.dtype)).mul_(weight.scales.to(x.dtype))
-        return out.reshape(*x.shape[:-1], -1)
+        return out.reshape(*x.shape[:-1], out.shape[-1])  # x may hold no token (an MoE expert)
 
 
 # (batch index, the linears' input, the quantized linears or None for the unquantized ones) -> block output on
@@ -435,7 +435,7 @@ class ModuleBlock:
     """Runs `module` (attention, MLP) on its recorded calls with the group's linears quantized (or not) and
     other inputs; the block output is the input of `measured` (o_proj, down_proj) on real tokens."""
 
-    def __init__(self, module: nn.Module, measured: nn.Module, linears: list[nn.Linear],
+    def __init__(self, module: nn.Module, measured: nn.Module | None, linears: list[nn.Linear],
                  calls: list[tuple[tuple, dict]], masks: list[torch.Tensor | None]) -> None:
         self.module, self.measured, self.linears = module, measured, linears
         self.calls, self.masks = calls, masks
@@ -453,19 +453,24 @@ class ModuleBlock:
             measured.append(inputs[0])
             raise _Stop
 
-        handle = self.measured.register_forward_pre_hook(grab)
+        handle = None if self.measured is None else self.measured.register_forward_pre_hook(grab)
         try:
             with nullcontext() if linears is None else _computed_by(self.linears, linears):
-                self.module(*args, **kwargs)
+                out = self.module(*args, **kwargs)
+            measured.append(out[0] if isinstance(out, tuple) else out)
         except _Stop:
             pass
         finally:
-            handle.remove()
+            if handle is not None:
+                handle.remove()
         return _real_rows(measured[0], self.masks[batch])
 
 
-def measured_linear(adapter: ArchAdapter, group: ScalingGroup) -> str:
-    """The linear whose input is the block output of an inspected group: the next sequential step's."""
+def measured_linear(adapter: ArchAdapter, group: ScalingGroup) -> str | None:
+    """The linear whose input is the block output of an inspected group: the next sequential step's (None: the
+    module's own output, for an MoE block, whose experts' down_proj each see only their routed tokens)."""
+    if group.passengers:
+        return None
     steps = adapter.sequential
     index = next(i for i, step in enumerate(steps) if group.linears[0] in step)
     name = steps[index + 1][0] if index + 1 < len(steps) else ""
@@ -491,7 +496,8 @@ def _module_probe(ctx: LayerContext, group: ScalingGroup, group_size: int,
     finally:
         handle.remove()
     linears = [ctx.module(name) for name in group.linears]
-    block = ModuleBlock(ctx.module(group.inspect), ctx.module(measured_linear(ctx.adapter, group)), linears,
+    measured = measured_linear(ctx.adapter, group)
+    block = ModuleBlock(ctx.module(group.inspect), None if measured is None else ctx.module(measured), linears,
                         calls, masks)
     inputs = [block.input_of(i) for i in range(len(calls))]
     return SmoothingProbe(inputs, masks, [lin.weight.data for lin in linears], block, group_size, loss_batches)
@@ -533,9 +539,6 @@ class QQQ(Method):
     def smooth_layer(self, ctx: LayerContext) -> dict:
         report = {}
         for group in active_scaling_groups(ctx.layer, ctx.adapter):
-            if group.passengers:  # its loss would be measured at one expert's down_proj input only
-                report[group.prev] = {"skipped": "QQQ does not smooth a norm that also feeds a router yet"}
-                continue
             make_probe = _module_probe if group.inspect else _matmul_probe
             probe = make_probe(ctx, group, self.config.group_size, self._loss_batches(ctx))
             if probe.tokens == 0:  # an MoE expert no calibration token was routed to
