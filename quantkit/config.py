@@ -100,6 +100,9 @@ class QuantConfig:
     group_size: int = 128  # -1: per output channel
     sym: bool = True
     act_bits: int = 16  # 8: per-token dynamic int8 activations (W4A8)
+    # MoE: every expert's statistics from every calibration token (the layer's output still follows the routing);
+    # off: each expert's from the tokens routed to it, too few tokens handled by models/moe.py's LowTokenGuard
+    moe_all_tokens: bool = False
     # modules never quantized (matched as name suffixes); lm_head and embeddings never are
     ignore: list[str] = field(default_factory=list)
     # the method's options (its Method.options_class); None: its defaults

@@ -26,6 +26,13 @@ from torch import nn
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.models.adapters import ArchAdapter
+from quantkit.models.moe import (
+    attach_calibration,
+    check_experts_quantized,
+    count_routed_tokens,
+    low_token_guard,
+    unfuse_experts,
+)
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.base import Method, get_method
@@ -137,7 +144,9 @@ def _quantize_step(
     ctx: LayerContext, method: Method, names: list[str], timer: _PhaseTimer
 ) -> dict[str, QuantizedWeight]:
     linears = {n: ctx.module(n) for n in names}
-    quantizers = {n: method.linear_quantizer(lin) for n, lin in linears.items()}
+    experts = ctx.adapter.experts
+    quantizers = {n: low_token_guard(method, lin, n, ctx.index) if experts and experts.is_expert_linear(n)
+                  else method.linear_quantizer(lin) for n, lin in linears.items()}
     if method.needs_activations:
         handles = [
             lin.register_forward_hook(lambda _m, args, _o, n=n: quantizers[n].add_batch(ctx.real_tokens(args[0])))
@@ -186,6 +195,8 @@ def quantize_model(
     report = QuantReport(config=config.to_dict(), calibration_tokens=calib.n_tokens)
     start = time.perf_counter()
     timer = _PhaseTimer(device, report.timings)
+    adapter = adapter.for_config(model.config)  # MoE: one name per expert (get_adapter(model) did it already)
+    unfuse_experts(model, adapter)
     log.info("capturing the first layer's inputs (%d calibration samples)", len(calib))
     with timer("capture"):
         inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
@@ -200,13 +211,16 @@ def quantize_model(
             with timer("transfer"):
                 layer.to(device)
             ctx = LayerContext(i, layer, adapter, inputs, _move(layer_kwargs[i], device), masks, device)
+            attach_calibration(layer, adapter, ctx, config.moe_all_tokens)
             with timer("smooth"):
                 entry: dict = {"layer": i, "smoothing": method.smooth_layer(ctx), "linears": {}}
             results: dict[str, QuantizedWeight] = {}
             for step in adapter.sequential:
                 results.update(_quantize_step(ctx, method, [n for n in step if _has(layer, n)], timer))
-            with timer("forward (layer outputs)"):
+            with timer("forward (layer outputs)"), count_routed_tokens(layer, adapter) as expert_tokens:
                 inputs = ctx.forward()
+            if expert_tokens:
+                entry["expert_tokens"] = expert_tokens
             if not all(torch.isfinite(x).all() for x in inputs):
                 raise QuantizationError(f"layer {i} produced non-finite outputs after quantization")
             for name, qw in results.items():
@@ -219,6 +233,7 @@ def quantize_model(
                 entry["linears"][name] = qw.info
                 if qw.info.get("fallback"):
                     report.fallbacks.append(f"layer {i} {name}: {qw.info['fallback']}")
+            check_experts_quantized(layer, adapter, i)
             with timer("transfer"):
                 layer.to("cpu")
             entry["seconds"] = time.perf_counter() - t0

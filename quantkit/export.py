@@ -12,6 +12,7 @@ from torch import nn
 
 from quantkit.config import QuantConfig
 from quantkit.formats import get_format
+from quantkit.models.moe import checkpoint_name
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.outputs import check_free_space, check_output_target, staged_output
 from quantkit.qtensor import QuantizationError
@@ -111,12 +112,16 @@ def export_checkpoint(
 
 def _write_folder(model: nn.Module, tokenizer, tensors: dict[str, torch.Tensor], folder: Path,
                   config: QuantConfig, fmt_name: str, torch_dtype: torch.dtype, report: dict | None) -> None:
-    _write_shards(tensors, folder)
+    _write_shards({checkpoint_name(model, k): v for k, v in tensors.items()}, folder)
     hf_config = model.config.to_dict()
     hf_config.pop("quantization_config", None)
     hf_config["dtype"] = hf_config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
     hf_config["use_cache"] = True
-    hf_config["quantization_config"] = get_format(fmt_name).quantization_config(config, ignored_modules=["lm_head"])
+    # every linear left in full precision: lm_head, and MoE routers / shared-expert gates, which loaders would
+    # otherwise expect packed
+    unquantized = [checkpoint_name(model, name) for name, module in model.named_modules()
+                   if isinstance(module, nn.Linear)]
+    hf_config["quantization_config"] = get_format(fmt_name).quantization_config(config, ignored_modules=unquantized)
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)

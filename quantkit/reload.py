@@ -12,6 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_utils import PreTrainedModel
 
 from quantkit.formats import detect_format
+from quantkit.models.adapters import find_adapter
+from quantkit.models.moe import checkpoint_name, unfuse_experts
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError
 
@@ -44,7 +46,10 @@ def load_quantized(
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tensors = _read_tensors(folder)
+    adapter = find_adapter(config.model_type)
+    if adapter is not None:  # per-expert tensors load into the per-expert form quantization wrote
+        unfuse_experts(model, adapter)
+    tensors = {checkpoint_name(model, k, reverse=True): v for k, v in _read_tensors(folder).items()}
     for prefix, module_tensors in _group_by_module(tensors, fmt.marker_tensor).items():
         qw = fmt.unpack(module_tensors, qconfig)
         bias = module_tensors.get("bias")

@@ -14,11 +14,15 @@ def active_scaling_groups(layer: nn.Module, adapter: ArchAdapter) -> list[Scalin
     """The adapter's scaling groups that apply to this layer.
 
     v -> o only when v's outputs map one-to-one onto o's inputs (not with grouped-query attention);
-    OPT's post-norm variant (do_layer_norm_before=False) has no norm directly before its linears.
+    OPT's post-norm variant (do_layer_norm_before=False) has no norm directly before its linears; a layer holds
+    either a dense MLP or an MoE block (Qwen's mlp_only_layers), so groups of the other kind are absent.
     """
+    modules = dict(layer.named_modules())
     groups = []
     for group in adapter.scaling_groups:
-        prev = layer.get_submodule(group.prev)
+        prev = modules.get(group.prev)
+        if prev is None or group.linears[0] not in modules:
+            continue
         if group.requires_square:
             first = layer.get_submodule(group.linears[0])
             if prev.weight.shape[0] != first.weight.shape[1]:
@@ -49,6 +53,6 @@ def fold_scales(layer: nn.Module, adapter: ArchAdapter, group: ScalingGroup, sca
         prev.weight.copy_(_wide(prev.weight).div(s))
         if getattr(prev, "bias", None) is not None:
             prev.bias.copy_(_wide(prev.bias).div(s))
-    for name in group.linears:
+    for name in (*group.linears, *group.passengers):
         linear = layer.get_submodule(name)
         linear.weight.copy_(_wide(linear.weight).mul(s.to(linear.weight.device)[None, :]))

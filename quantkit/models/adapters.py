@@ -21,17 +21,19 @@ To add an architecture: write one ArchAdapter in ADAPTERS below, with every mode
 its decoder traits if quantkit/eval/static_decoder.py runs it, and add a random-weight model of it to
 tests/test_adapters.py (which checks every name and trait against transformers' modules).
 
+Mixture of experts: `experts` (MoeExperts) says where a layer's sparse block is, its expert count and its shared
+expert. Names with "*" in `sequential`, `fused` and `scaling_groups` stand for every expert index: for_config()
+expands them for a model's config (get_adapter(model) does), so each expert's linears are steps and groups of
+their own. The names are those of quantkit's unfused form (quantkit/models/moe.py), which are also the names of
+the checkpoints on disk and of vLLM's loaders.
+
 What comes next extends an entry the same way, a nested frozen part per concern:
-- mixture of experts: an `experts` part saying where a layer's experts are (e.g. "mlp.experts", its router
-  "mlp.gate") and whether transformers holds them as fused 3-D parameters (transformers 5's Qwen3-MoE:
-  gate_up_proj [experts, 2 x intermediate, hidden], down_proj [experts, hidden, intermediate]) or as one module of
-  nn.Linears per expert; None for dense models.
 - streaming from a checkpoint: `outer` names what to load whole; the layers load one at a time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -45,6 +47,63 @@ class ScalingGroup:
     inspect: str | None = None
     # v -> o is only valid when the shapes match (no GQA): checked at run time.
     requires_square: bool = False
+    # modules that also read prev's output and are never quantized (an MoE router, the shared expert's gate):
+    # scaled with the linears so that they compute the same, never searched or quantized
+    passengers: tuple[str, ...] = ()
+
+    @property
+    def input_of(self) -> str:
+        """A module whose input is the group's whole input (an expert's linears see only its routed tokens)."""
+        return self.passengers[0] if self.passengers else self.linears[0]
+
+    def expand(self, experts: int) -> tuple[ScalingGroup, ...]:
+        """One group per expert when `prev` is an expert's ("*"); else the linears' "*" names expanded."""
+        if "*" in self.prev:
+            return tuple(replace(self, prev=self.prev.replace("*", str(e)),
+                                 linears=tuple(n.replace("*", str(e)) for n in self.linears))
+                         for e in range(experts))
+        return (replace(self, linears=expand_names(self.linears, experts)),)
+
+
+def expand_names(names: tuple[str, ...], experts: int) -> tuple[str, ...]:
+    """Each name with a "*" replaced by one name per expert index, in place."""
+    return tuple(n.replace("*", str(e)) if "*" in n else n
+                 for n in names for e in (range(experts) if "*" in n else (0,)))
+
+
+@dataclass(frozen=True)
+class MoeExperts:
+    """Where a decoder layer's sparse mixture-of-experts block is, and how transformers holds its experts.
+
+    transformers 5.25 keeps every expert of these models in two fused 3-D parameters,
+    `{block}.experts.gate_up_proj` [experts, 2 x intermediate, hidden] (the gate's rows first) and
+    `{block}.experts.down_proj` [experts, hidden, intermediate], and the router in `{block}.gate` (a module with a
+    `weight` [experts, hidden]). Checkpoints on disk and vLLM's loaders hold per-expert tensors,
+    `{block}.experts.N.gate_proj` / `up_proj` / `down_proj` (Mixtral's original checkpoints: `block_sparse_moe.
+    experts.N.w1` / `w3` / `w2`). quantkit/models/moe.py rewrites the block into that per-expert form
+    (`fused_experts=False` below would mean transformers already holds one nn.Linear module per expert).
+    The router and the shared expert's gate are never quantized.
+    """
+
+    count: str  # the config attribute holding the experts per MoE layer
+    block: str = "mlp"
+    fused_experts: bool = True
+    shared_expert: str | None = None  # a dense MLP every token goes through (qwen2_moe)
+    shared_expert_gate: str | None = None  # nn.Linear(hidden, 1): sigmoid-gates the shared expert's output
+    # Mixtral scales expert outputs by fp32 routing weights; Qwen and OLMoE first cast them to the model's dtype
+    fp32_routing_weights: bool = False
+    # (quantkit name part, checkpoint name part) pairs where on-disk checkpoints, and so vLLM's and transformers'
+    # loaders, name this architecture's tensors otherwise; applied in order to every exported name
+    checkpoint_names: tuple[tuple[str, str], ...] = ()
+
+    def checkpoint_name(self, name: str, reverse: bool = False) -> str:
+        """A quantkit module or tensor name as the checkpoints name it (reverse: the other way)."""
+        for ours, theirs in self.checkpoint_names:
+            name = name.replace(theirs, ours) if reverse else name.replace(ours, theirs)
+        return name
+
+    def is_expert_linear(self, name: str) -> bool:
+        return name.startswith(f"{self.block}.experts.")
 
 
 @dataclass(frozen=True)
@@ -80,6 +139,20 @@ class ArchAdapter:
     outer: OuterModules
     norm: str = "rms"
     decoder: DecoderTraits | None = None
+    experts: MoeExperts | None = None
+
+    def for_config(self, config: object) -> ArchAdapter:
+        """This entry with its "*" names expanded for the config's expert count (dense models: itself)."""
+        if self.experts is None:
+            return self
+        count = getattr(config, self.experts.count)
+        return replace(
+            self,
+            sequential=tuple(expand_names(step, count) for step in self.sequential),
+            fused=tuple(tuple(n.replace("*", str(e)) for n in group)
+                        for group in self.fused for e in (range(count) if "*" in group[0] else (0,))),
+            scaling_groups=tuple(g for group in self.scaling_groups for g in group.expand(count)),
+        )
 
     def get_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(self.layers)
@@ -114,6 +187,44 @@ def _llama_like(name: str, model_types: tuple[str, ...], decoder: DecoderTraits 
 
 
 _OPT_ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_EXPERT_GATE_UP = ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj")
+_SHARED_GATE_UP = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
+
+
+def _moe(name: str, model_types: tuple[str, ...], experts: MoeExperts) -> ArchAdapter:
+    """A Llama-like decoder whose MLP is a sparse MoE block (dense MLP layers, as Qwen's mlp_only_layers, keep
+    the dense names: each layer quantizes the names it has).
+
+    Smoothing: input_layernorm -> q/k/v, v -> o; the post-attention norm -> every expert's and the shared
+    expert's gate/up together (the router and the shared expert's gate read the norm too: they are scaled along,
+    unquantized; the loss is the whole MoE block's output); each expert's (and the shared expert's) up -> down on
+    its own.
+    """
+    shared = experts.shared_expert is not None
+    sparse_gate_up = (*_EXPERT_GATE_UP, *(_SHARED_GATE_UP if shared else ()))
+    gate_up = (*_MLP, *sparse_gate_up)
+    down = ("mlp.down_proj", "mlp.experts.*.down_proj", *(("mlp.shared_expert.down_proj",) if shared else ()))
+    return ArchAdapter(
+        name=name,
+        model_types=model_types,
+        layers="model.layers",
+        sequential=(_ATTN, ("self_attn.o_proj",), gate_up, down),
+        fused=(_ATTN, _MLP, _EXPERT_GATE_UP, *((_SHARED_GATE_UP,) if shared else ())),
+        scaling_groups=(
+            ScalingGroup("input_layernorm", _ATTN, inspect="self_attn"),
+            ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), requires_square=True),
+            ScalingGroup("post_attention_layernorm", _MLP, inspect="mlp"),  # dense MLP layers
+            ScalingGroup("post_attention_layernorm", sparse_gate_up, inspect="mlp",
+                         passengers=("mlp.gate", *((experts.shared_expert_gate,) if shared else ()))),
+            ScalingGroup("mlp.up_proj", ("mlp.down_proj",)),
+            ScalingGroup("mlp.experts.*.up_proj", ("mlp.experts.*.down_proj",)),
+            *((ScalingGroup("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",)),) if shared else ()),
+        ),
+        outer=_LLAMA_OUTER,
+        decoder=None,
+        experts=experts,
+    )
+
 
 ADAPTERS: tuple[ArchAdapter, ...] = (
     _llama_like("llama", ("llama",)),  # Llama 2/3, SmolLM2, Kanana
@@ -140,7 +251,20 @@ ADAPTERS: tuple[ArchAdapter, ...] = (
                            final_norm="model.decoder.final_layer_norm"),
         norm="layernorm",
     ),
+    _moe("qwen3_moe", ("qwen3_moe",), MoeExperts(count="num_experts")),
+    _moe("qwen2_moe", ("qwen2_moe",), MoeExperts(count="num_experts", shared_expert="mlp.shared_expert",
+                                                 shared_expert_gate="mlp.shared_expert_gate")),
+    _moe("mixtral", ("mixtral",), MoeExperts(count="num_local_experts", fp32_routing_weights=True, checkpoint_names=(
+        (".mlp.", ".block_sparse_moe."), (".gate_proj", ".w1"), (".up_proj", ".w3"), (".down_proj", ".w2")))),
+    _moe("olmoe", ("olmoe",), MoeExperts(count="num_experts")),
 )
+
+# Architectures that look supported but need what no entry can say yet: refused with the reason.
+REFUSED = {
+    "deepseek_v3": "DeepSeek-V3 needs entries for MLA attention (q_a_proj/q_b_proj/kv_a_proj_with_mqa/kv_b_proj with "
+                   "their own norms) and for its router (sigmoid scores with a bias correction, group-limited top-k, "
+                   "a routed scaling factor); quantkit's MoE block reproduces softmax top-k routers only",
+}
 
 
 _BY_MODEL_TYPE = {model_type: adapter for adapter in ADAPTERS for model_type in adapter.model_types}
@@ -156,10 +280,13 @@ def find_adapter(model_type: str) -> ArchAdapter | None:
 
 
 def get_adapter(model_or_type: nn.Module | str) -> ArchAdapter:
+    """The entry of a model_type; for a model, expanded for its config (MoE: one name per expert)."""
     model_type = model_or_type if isinstance(model_or_type, str) else model_or_type.config.model_type
     adapter = find_adapter(model_type)
     if adapter is not None:
-        return adapter
+        return adapter if isinstance(model_or_type, str) else adapter.for_config(model_or_type.config)
+    if model_type in REFUSED:
+        raise QuantizationError(f"unsupported architecture {model_type!r}: {REFUSED[model_type]}")
     raise QuantizationError(
         f"unsupported architecture {model_type!r}. Supported model_type values: "
         f"{', '.join(supported_model_types())}. To add one, write an ArchAdapter entry in "

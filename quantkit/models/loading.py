@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from quantkit.models.adapters import find_adapter
+from quantkit.models.moe import unfuse_experts
 from quantkit.qtensor import QuantizationError
 
 log = logging.getLogger("quantkit")
@@ -106,6 +108,9 @@ def load_model(
     except Exception as err:  # transformers/safetensors/hub errors: the type varies, the user needs one line
         raise _load_failure(source, err) from err
     model.eval()
+    adapter = find_adapter(model.config.model_type)
+    if adapter is not None:  # MoE: per-expert linears from the start, so every check sees the experts' names
+        unfuse_experts(model, adapter.for_config(model.config))
     return model, tokenizer
 
 

@@ -134,7 +134,7 @@ def _capture(ctx: LayerContext, group: ScalingGroup) -> _GroupData:
         if group.inspect is None:
             data.inputs.append(x)
 
-    handles = [ctx.module(group.linears[0]).register_forward_hook(on_linear)]  # the group shares its input
+    handles = [ctx.module(group.input_of).register_forward_hook(on_linear)]  # the group shares its input
     if group.inspect is not None:
         block = ctx.module(group.inspect)
         handles.append(block.register_forward_pre_hook(

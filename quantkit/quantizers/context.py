@@ -72,6 +72,8 @@ class LayerContext:
         """Rows of x ([B, T, ...] or [B*T, ...]) for non-padding tokens of the running batch, flattened."""
         assert self.current_mask is not None, "real_tokens() is only valid inside forward()"
         flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] != self.current_mask.numel():  # an expert's tokens: its MoE block sent only real ones
+            return flat
         return flat[self.current_mask.reshape(-1)]
 
     @contextmanager

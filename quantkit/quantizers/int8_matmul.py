@@ -67,4 +67,4 @@ class Int8Linears:
         else:
             out = int8_matmul(codes, weight.values.t()).to(x.dtype)
         out = out.mul_(token_scales.to(x.dtype)).mul_(weight.scales.to(x.dtype))
-        return out.reshape(*x.shape[:-1], -1)
+        return out.reshape(*x.shape[:-1], out.shape[-1])  # x may hold no token (an MoE expert)

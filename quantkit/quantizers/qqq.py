@@ -142,6 +142,10 @@ class QQQ(Method):
         for group in active_scaling_groups(ctx.layer, ctx.adapter):
             make_probe = module_probe if group.inspect else matmul_probe
             probe = make_probe(ctx, group, self.config.group_size, self._loss_batches(ctx))
+            if probe.tokens == 0:  # an MoE expert no calibration token was routed to
+                log.warning("layer %d %s: QQQ smoothing skipped (no calibration tokens)", ctx.index, group.prev)
+                report[group.prev] = {"skipped": "no calibration tokens"}
+                continue
             choice = search_smoothing(probe, self.options.smooth_steps, self.options.smooth_search)
             if self.options.smooth_check:
                 choice = confirm_after_gptq(probe, choice, self.config)

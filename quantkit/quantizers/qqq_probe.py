@@ -61,10 +61,11 @@ class SmoothingProbe:
         self.masks, self.weights = masks, weights
         self.block, self.group_size = block, group_size
         real = [_real_rows(x, m) for x, m in zip(inputs, masks, strict=True)]
-        self.channel_max = torch.stack([r.amax(dim=0) for r in real]).amax(dim=0).float()
-        self.channel_min = torch.stack([r.amin(dim=0) for r in real]).amin(dim=0).float()
-        self.inputs = inputs[:loss_batches]
         self.tokens = sum(r.shape[0] for r in real[:loss_batches])
+        seen = [r for r in real if r.shape[0]] or [weights[0].new_zeros(1, weights[0].shape[1])]  # MoE experts
+        self.channel_max = torch.stack([r.amax(dim=0) for r in seen]).amax(dim=0).float()
+        self.channel_min = torch.stack([r.amin(dim=0) for r in seen]).amin(dim=0).float()
+        self.inputs = inputs[:loss_batches]
         self.targets = [block(i, x, None) for i, x in enumerate(self.inputs)]
 
     @classmethod
@@ -124,7 +125,7 @@ class ModuleBlock:
     """Runs `module` (attention, MLP) on its recorded calls with the group's linears quantized (or not) and
     other inputs; the block output is the input of `measured` (o_proj, down_proj) on real tokens."""
 
-    def __init__(self, module: nn.Module, measured: nn.Module, linears: list[nn.Linear],
+    def __init__(self, module: nn.Module, measured: nn.Module | None, linears: list[nn.Linear],
                  calls: list[tuple[tuple, dict]], masks: list[torch.Tensor | None]) -> None:
         self.module, self.measured, self.linears = module, measured, linears
         self.calls, self.masks = calls, masks
@@ -142,19 +143,24 @@ class ModuleBlock:
             measured.append(inputs[0])
             raise StopForward
 
-        handle = self.measured.register_forward_pre_hook(grab)
+        handle = None if self.measured is None else self.measured.register_forward_pre_hook(grab)
         try:
             with nullcontext() if linears is None else _computed_by(self.linears, linears):
-                self.module(*args, **kwargs)
+                out = self.module(*args, **kwargs)
+            measured.append(out[0] if isinstance(out, tuple) else out)
         except StopForward:
             pass
         finally:
-            handle.remove()
+            if handle is not None:
+                handle.remove()
         return _real_rows(measured[0], self.masks[batch])
 
 
-def measured_linear(adapter: ArchAdapter, group: ScalingGroup) -> str:
-    """The linear whose input is the block output of an inspected group: the next sequential step's."""
+def measured_linear(adapter: ArchAdapter, group: ScalingGroup) -> str | None:
+    """The linear whose input is the block output of an inspected group: the next sequential step's (None: the
+    module's own output, for an MoE block, whose experts' down_proj each see only their routed tokens)."""
+    if group.passengers:
+        return None
     steps = adapter.sequential
     index = next(i for i, step in enumerate(steps) if group.linears[0] in step)
     name = steps[index + 1][0] if index + 1 < len(steps) else ""
@@ -180,7 +186,8 @@ def module_probe(ctx: LayerContext, group: ScalingGroup, group_size: int,
     finally:
         handle.remove()
     linears = [ctx.module(name) for name in group.linears]
-    block = ModuleBlock(ctx.module(group.inspect), ctx.module(measured_linear(ctx.adapter, group)), linears,
+    measured = measured_linear(ctx.adapter, group)
+    block = ModuleBlock(ctx.module(group.inspect), None if measured is None else ctx.module(measured), linears,
                         calls, masks)
     inputs = [block.input_of(i) for i in range(len(calls))]
     return SmoothingProbe(inputs, masks, [lin.weight.data for lin in linears], block, group_size, loss_batches)

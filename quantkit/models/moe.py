@@ -1,0 +1,232 @@
+"""Mixture-of-experts blocks in per-expert form, so calibration, export and reload see ordinary nn.Linears.
+
+transformers 5 holds a sparse block's experts as fused 3-D parameters (see MoeExperts in adapters.py);
+unfuse_experts() rewrites each such block into an UnfusedMoe: the router as an nn.Linear (never quantized), one
+ExpertMLP per expert with nn.Linear gate_proj / up_proj / down_proj (the names on-disk checkpoints and vLLM's
+loaders use), and the shared expert with its sigmoid gate where the architecture has one. Its forward computes
+what transformers' block computes: softmax over the router logits in fp32, top-k, the top-k weights renormalised
+where the router does it (Mixtral always; Qwen and OLMoE per config.norm_topk_prob), each expert run on exactly
+the tokens routed to it and its output scaled by that token's routing weight. A forward hook on an expert's
+linear therefore sees exactly that expert's tokens.
+
+During calibration the engine attaches its LayerContext (attach_calibration): the block then sends experts only
+the batch's real (non-padding) tokens, and with `all_tokens` runs every expert on all of them for the statistics
+while the layer's output still follows the routing.
+
+An expert's linear whose statistics come from fewer tokens than its input width (its Hessian is then singular)
+gets LowTokenGuard's policy: GPTQ/QQQ with damp_percent x10, logged; no token at all: RTN, logged. Both are
+recorded as fallbacks in the report.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from quantkit.models.adapters import ArchAdapter, MoeExperts, find_adapter
+from quantkit.qtensor import QuantizationError, QuantizedWeight
+from quantkit.quantizers.base import LinearQuantizer, Method
+from quantkit.quantizers.gptq import GPTQOptions
+
+log = logging.getLogger("quantkit")
+
+LOW_TOKEN_DAMP_GROWTH = 10.0
+
+
+class _MaskSource(Protocol):
+    current_mask: torch.Tensor | None
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act_fn: nn.Module, like: torch.Tensor) -> None:
+        super().__init__()
+        kwargs = {"bias": False, "dtype": like.dtype, "device": like.device}
+        self.gate_proj = nn.Linear(hidden, intermediate, **kwargs)
+        self.up_proj = nn.Linear(hidden, intermediate, **kwargs)
+        self.down_proj = nn.Linear(intermediate, hidden, **kwargs)
+        self.act_fn = act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class UnfusedMoe(nn.Module):
+    def __init__(self, gate: nn.Linear, experts: nn.ModuleList, top_k: int, norm_topk_prob: bool,
+                 shared_expert: nn.Module | None = None, shared_expert_gate: nn.Module | None = None,
+                 fp32_routing_weights: bool = False) -> None:
+        super().__init__()
+        self.fp32_routing_weights = fp32_routing_weights
+        self.gate = gate
+        self.experts = experts
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+            self.shared_expert_gate = shared_expert_gate
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.all_tokens = False  # calibration: every expert's statistics from every real token
+        self._calibration: weakref.ref[_MaskSource] | None = None
+        self.token_counts: torch.Tensor | None = None  # routed real tokens per expert, while counting
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k routing weights (fp32, or x's dtype) and expert indices, [tokens, top_k] each."""
+        logits = self.gate(x)
+        weights, index = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights if self.fp32_routing_weights else weights.to(logits.dtype), index
+
+    def _real_rows(self) -> torch.Tensor | None:
+        source = self._calibration() if self._calibration is not None else None
+        mask = None if source is None else source.current_mask
+        return None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights, index = self.route(x)
+        real = self._real_rows()
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(index == e)
+            if real is not None:
+                keep = torch.isin(rows, real)
+                rows, slot = rows[keep], slot[keep]
+            if self.token_counts is not None:
+                self.token_counts[e] += rows.numel()
+            if real is not None and self.all_tokens:
+                y = torch.zeros_like(x)
+                y[real] = expert(x[real])  # statistics from every real token; the output keeps the routing
+                y = y[rows]
+            else:  # run even without tokens: calibration hooks then see that expert's empty input
+                y = expert(x[rows])
+            out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(hidden_states.shape)
+
+
+def _unfuse_block(block: nn.Module, spec: MoeExperts) -> UnfusedMoe:
+    fused, router = block.experts, block.gate
+    count, hidden = router.weight.shape
+    intermediate = fused.down_proj.shape[2]
+    like = fused.down_proj
+    gate = nn.Linear(hidden, count, bias=False, dtype=like.dtype, device=like.device)
+    gate.weight.data.copy_(router.weight.data)
+    experts = nn.ModuleList(ExpertMLP(hidden, intermediate, fused.act_fn, like) for _ in range(count))
+    for e, expert in enumerate(experts):
+        gate_w, up_w = fused.gate_up_proj.data[e].chunk(2, dim=0)
+        expert.gate_proj.weight.data.copy_(gate_w)
+        expert.up_proj.weight.data.copy_(up_w)
+        expert.down_proj.weight.data.copy_(fused.down_proj.data[e])
+    shared = spec.shared_expert is not None
+    return UnfusedMoe(gate, experts, router.top_k, getattr(router, "norm_topk_prob", True),
+                      block.shared_expert if shared else None, block.shared_expert_gate if shared else None,
+                      spec.fp32_routing_weights)
+
+
+def _named_blocks(layer: nn.Module, adapter: ArchAdapter) -> list[tuple[str, UnfusedMoe]]:
+    """The layer's unfused MoE block with its name, if it has one (dense layers: none)."""
+    if adapter.experts is None:
+        return []
+    block = layer.get_submodule(adapter.experts.block)
+    return [(adapter.experts.block, block)] if isinstance(block, UnfusedMoe) else []
+
+
+def moe_blocks(layer: nn.Module, adapter: ArchAdapter) -> list[UnfusedMoe]:
+    return [block for _, block in _named_blocks(layer, adapter)]
+
+
+def unfuse_experts(model: nn.Module, adapter: ArchAdapter) -> None:
+    """Rewrite every fused MoE block of the model into UnfusedMoe, in place (already unfused: left as is)."""
+    spec = adapter.experts
+    if spec is None:
+        return
+    if not spec.fused_experts:
+        raise QuantizationError(f"{adapter.name}: only experts fused in 3-D parameters are supported")
+    for layer in adapter.get_layers(model):
+        block = layer.get_submodule(spec.block)
+        if isinstance(block, UnfusedMoe) or not hasattr(block, "experts"):
+            continue  # done already, or a dense MLP layer (Qwen's mlp_only_layers)
+        parent, _, child = spec.block.rpartition(".")
+        setattr(layer.get_submodule(parent) if parent else layer, child,
+                _unfuse_block(block, spec))
+
+
+def check_experts_quantized(layer: nn.Module, adapter: ArchAdapter, index: int) -> None:
+    """No expert linear may stay in full precision unnoticed (e.g. a name missing from the entry)."""
+    left = [f"{block_name}.experts.{name}" for block_name, block in _named_blocks(layer, adapter)
+            for name, module in block.experts.named_modules() if isinstance(module, nn.Linear)]
+    if left:
+        raise QuantizationError(f"layer {index}: expert linears left unquantized: {', '.join(left[:4])}; "
+                                f"the {adapter.name} entry's sequential steps do not name them")
+
+
+def attach_calibration(layer: nn.Module, adapter: ArchAdapter, source: _MaskSource, all_tokens: bool) -> None:
+    """The layer's MoE blocks route only source.current_mask's real tokens (when set) to their experts."""
+    for block in moe_blocks(layer, adapter):
+        block._calibration, block.all_tokens = weakref.ref(source), all_tokens
+
+
+@contextmanager
+def count_routed_tokens(layer: nn.Module, adapter: ArchAdapter) -> Iterator[dict[str, list[int]]]:
+    """While active, the real tokens routed to each expert, per MoE block name (filled on exit)."""
+    blocks = _named_blocks(layer, adapter)
+    counts: dict[str, list[int]] = {}
+    for _, block in blocks:
+        block.token_counts = torch.zeros(len(block.experts), dtype=torch.long)
+    try:
+        yield counts
+    finally:
+        for name, block in blocks:
+            counts[name] = block.token_counts.tolist()
+            block.token_counts = None
+
+
+class LowTokenGuard(LinearQuantizer):
+    """An expert linear's quantizer, counting the tokens it is calibrated on (see the module docstring)."""
+
+    def __init__(self, inner: LinearQuantizer, label: str) -> None:
+        super().__init__(inner.linear, inner.config)
+        self.inner, self.label, self.tokens = inner, label, 0
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        self.tokens += x.shape[0]
+        self.inner.add_batch(x)
+
+    def quantize(self) -> QuantizedWeight:
+        threshold = self.linear.in_features
+        if 0 < self.tokens < threshold:
+            options = self.config.options_as(GPTQOptions)
+            damp = min(0.5, options.damp_percent * LOW_TOKEN_DAMP_GROWTH)
+            log.warning("%s: %d calibration tokens < %d (input width); damp_percent %g", self.label, self.tokens,
+                        threshold, damp)
+            self.inner.config = replace(self.config, options=replace(options, damp_percent=damp))
+            result = self.inner.quantize()
+            result.info.setdefault("fallback", f"damp_percent {damp:g}: {self.tokens} tokens < {threshold}")
+        else:  # enough tokens, or none: GPTQ and QQQ then quantize by RTN on their grid and log it
+            result = self.inner.quantize()
+        result.info["tokens"] = self.tokens
+        return result
+
+    def free(self) -> None:
+        self.inner.free()
+
+
+def low_token_guard(method: Method, linear: nn.Linear, name: str, layer: int) -> LinearQuantizer:
+    """The method's quantizer for an expert linear; guarded only where the method calibrates on tokens."""
+    inner = method.linear_quantizer(linear)
+    return LowTokenGuard(inner, f"layer {layer} {name}") if method.needs_activations else inner
+
+
+def checkpoint_name(model: nn.Module, name: str, reverse: bool = False) -> str:
+    """A name of the model's (a module's or tensor's) as checkpoints of its architecture write it (reverse: the
+    checkpoint's name as quantkit's per-expert form has it)."""
+    adapter = find_adapter(getattr(model.config, "model_type", ""))
+    if adapter is None or adapter.experts is None:
+        return name
+    return adapter.experts.checkpoint_name(name, reverse)
