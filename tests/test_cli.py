@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import quantkit.cli as cli
 from quantkit.cli import app, default_nsamples
-from quantkit.config import MethodOptions, option, option_spec
+from quantkit.config import METHOD_OPTIONS, MethodOptions, option, option_spec
 from quantkit.formats import FORMATS
 from quantkit.quantizers.base import METHODS, Method, registered_methods
 
@@ -223,6 +223,7 @@ def test_a_registered_method_gets_its_flags(monkeypatch, tiny_llama, tmp_path) -
             raise NotImplementedError
 
     monkeypatch.setitem(METHODS, Wiggle.name, Wiggle)
+    monkeypatch.setitem(METHOD_OPTIONS, Wiggle.name, _WiggleOptions)
     monkeypatch.setattr(cli.quantize, "__signature__", cli.quantize_signature())
     text = _help()
     assert "test-wiggle" in text and "--wiggle" in text and "test-wiggle: wiggles of the dummy method" in text

@@ -12,7 +12,7 @@ from test_adapters import tiny_model
 from torch import nn
 
 import quantkit.quantizers
-from quantkit.config import QuantConfig
+from quantkit.config import METHOD_OPTIONS, QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.engine import quantize_model
 from quantkit.export import export_checkpoint, quantized_modules
@@ -55,6 +55,7 @@ def recording_method():
 
     yield RecordingMethod
     METHODS.pop("test-recording")
+    METHOD_OPTIONS.pop("test-recording")
 
 
 def test_padding_never_reaches_the_statistics(recording_method) -> None:
