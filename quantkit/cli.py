@@ -158,6 +158,10 @@ def quantize(
     eval_windows: Annotated[int, typer.Option(help="512-token windows per held-out text")] = 16,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="allow .bin pickle weights")] = False,
+    moe_all_tokens: Annotated[bool, typer.Option(
+        "--moe-all-tokens", help="MoE: every expert's statistics from every calibration token (the layer's output "
+        "still follows the routing); default: each expert's routed tokens, too few handled by the documented "
+        "fallback")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="show the full trace of an error (or QUANTKIT_DEBUG=1)")] = False,
     **method_options: Any,  # every registered method's options, as quantize_signature declares them
@@ -260,7 +264,7 @@ quantize.__signature__ = quantize_signature()  # type: ignore[attr-defined]
 
 def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, nsamples, seqlen, seed, chat_template,
               output, overwrite, dtype, device, batch_size, evaluate, eval_windows, trust_remote_code, allow_pickle,
-              verbose, **method_options) -> None:
+              verbose, moe_all_tokens, **method_options) -> None:
     from quantkit.config import QuantConfig
     from quantkit.data import build_calibration_set, load_passages
     from quantkit.engine import quantize_model
@@ -281,6 +285,7 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
 
     def scheme(group: int) -> QuantConfig:
         config = QuantConfig(method=method, bits=bits, group_size=group, sym=not asym, act_bits=act_bits,
+                             moe_all_tokens=moe_all_tokens,
                              options=options).validate()
         get_format(format).check(config)
         return config

@@ -239,3 +239,16 @@ def test_invalid_method_options_fail_in_one_line(tiny_llama, tmp_path) -> None:
     assert result.exit_code == 2 and "golden" in result.output
     result = _quantize(str(tiny_llama), "--method", "golden")
     assert result.exit_code == 2 and "golden" in result.output
+
+
+def test_moe_all_tokens_reaches_the_calibration(tmp_path, tokenizer) -> None:
+    """--moe-all-tokens: every expert calibrated on every real token (recorded in quantkit.json)."""
+    from test_moe import EXPERTS, tiny_moe
+
+    source = _save(tiny_moe("mixtral", vocab_size=len(tokenizer)), tokenizer, tmp_path / "moe")
+    result = _quantize(str(source), "--group-size", "32", "--moe-all-tokens", "--output", str(tmp_path / "q"))
+    assert result.exit_code == 0, result.output
+    meta = json.loads((tmp_path / "q" / "quantkit.json").read_text())
+    assert meta["quant_config"]["moe_all_tokens"] is True
+    tokens = {meta["report"]["layers"][0]["linears"][f"mlp.experts.{e}.up_proj"]["tokens"] for e in range(EXPERTS)}
+    assert tokens == {meta["report"]["calibration_tokens"]}
