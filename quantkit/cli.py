@@ -122,9 +122,13 @@ def quantize(
     eval_windows: Annotated[int, typer.Option(help="512-token windows per held-out text")] = 16,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="allow .bin pickle weights")] = False,
+    resume: Annotated[bool, typer.Option("--resume/--no-resume", help="continue an interrupted streaming run of the same command")] = True,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
-    """Calibrate and quantize MODEL, then write a checkpoint vLLM and transformers load."""
+    """Calibrate and quantize MODEL, then write a checkpoint vLLM and transformers load.
+
+    A local safetensors folder is streamed: one decoder layer in memory at a time, each finished layer
+    kept beside the output so that rerunning an interrupted command resumes after the last one."""
     _setup_logging(verbose)
     try:
         _quantize(**locals())
@@ -135,14 +139,15 @@ def quantize(
 def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format, calib, nsamples, seqlen,
               seed, chat_template, damp, mse, duo_scaling, clip, smooth_steps, smooth_search, smooth_samples, smooth_check,
               output, overwrite, dtype, device, batch_size, evaluate,
-              eval_windows, trust_remote_code, allow_pickle, verbose) -> None:
+              eval_windows, trust_remote_code, allow_pickle, resume, verbose) -> None:
     from quantkit.config import QuantConfig
     from quantkit.data import build_calibration_set, load_passages
     from quantkit.engine import quantize_model
     from quantkit.export import export_checkpoint
     from quantkit.formats import get_format
     from quantkit.models import get_adapter, load_model
-    from quantkit.models.loading import default_dtype
+    from quantkit.models.loading import default_dtype, load_tokenizer
+    from quantkit.streaming import open_streamed_model, streamable_reason
 
     work_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if nsamples is None:
@@ -150,10 +155,16 @@ def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format
     if output is None:
         name = Path(model).stem if model else "smollm2-135m"
         output = Path("out") / f"{name}-{method}-w{bits}a{act_bits}-g{group_size}"
-    if output.exists() and not overwrite:
-        raise QuantizationError(f"output folder {output} already exists (pass --overwrite to replace it)")
-    lm, tokenizer = load_model(model, dtype=default_dtype(work_device), trust_remote_code=trust_remote_code,
-                               allow_pickle=allow_pickle)
+    not_streamed = streamable_reason(model, trust_remote_code)
+    if not_streamed is None:  # the streamed run checks the output itself: it may be its own finished export
+        lm, ckpt = open_streamed_model(model, default_dtype(work_device))
+        tokenizer = load_tokenizer(model)
+    else:
+        logging.getLogger("quantkit").info("loading the whole model in memory: %s", not_streamed)
+        if output.exists() and not overwrite:
+            raise QuantizationError(f"output folder {output} already exists (pass --overwrite to replace it)")
+        lm, tokenizer = load_model(model, dtype=default_dtype(work_device), trust_remote_code=trust_remote_code,
+                                   allow_pickle=allow_pickle)
     adapter = get_adapter(lm)
     config = QuantConfig(method=method, bits=bits, group_size=resolve_group_size(lm, adapter, group_size),
                          sym=not asym, act_order=act_order and method in ("gptq", "qqq"), act_bits=act_bits,
@@ -164,14 +175,16 @@ def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format
                   f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format.value}, "
                   f"{nsamples} x {seqlen} calibration tokens on {work_device}")
     calib_set = build_calibration_set(tokenizer, load_passages(calib), nsamples, seqlen, seed, chat_template)
+    if not_streamed is None:
+        _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, format.value, output, dtype, work_device,
+                           batch_size, overwrite, resume, evaluate)
+        return
     before = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
     report = quantize_model(lm.cpu(), adapter, calib_set, config, device=work_device, batch_size=batch_size)
     after = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
     out = export_checkpoint(lm.cpu(), tokenizer, output, config, format.value, report=report.to_dict(),
                             dtype=dtype, overwrite=overwrite)
-    if report.fallbacks:
-        console.print(f"[yellow]{len(report.fallbacks)} fallback(s):[/] " + "; ".join(report.fallbacks))
-    console.print(f"quantized {len(report.layers)} layers in {report.seconds:.1f}s -> [bold]{out}[/]")
+    _print_summary(report, out)
     if evaluate:
         table = Table(title="held-out perplexity")
         table.add_column("text")
@@ -181,6 +194,27 @@ def _quantize(model, method, bits, group_size, asym, act_order, act_bits, format
         for name in before:
             table.add_row(name, f"{before[name]:.3f}", f"{after[name]:.3f}", f"{after[name] - before[name]:+.3f}")
         Console().print(table)
+
+
+def _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, fmt_name: str, output: Path, dtype: str,
+                       work_device: str, batch_size: int, overwrite: bool, resume: bool, evaluate: bool) -> None:
+    from quantkit.streaming import quantize_streaming
+
+    if evaluate:
+        console.print("held-out perplexity needs the whole model in memory: skipped while streaming "
+                      "(run `quantkit eval` on the export)")
+    out, report = quantize_streaming(lm, ckpt, tokenizer, calib_set, config, fmt_name, output, dtype=dtype,
+                                     device=work_device, batch_size=batch_size, overwrite=overwrite, resume=resume)
+    if report is None:
+        console.print(f"the export of this command was already complete -> [bold]{out}[/]")
+        return
+    _print_summary(report, out)
+
+
+def _print_summary(report, out: Path) -> None:
+    if report.fallbacks:
+        console.print(f"[yellow]{len(report.fallbacks)} fallback(s):[/] " + "; ".join(report.fallbacks))
+    console.print(f"quantized {len(report.layers)} layers in {report.seconds:.1f}s -> [bold]{out}[/]")
 
 
 @app.command("eval")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 from quantkit.config import QuantConfig
 from quantkit.formats import get_format
+from quantkit.formats.base import CheckpointFormat
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError
 
@@ -35,46 +37,99 @@ def quantized_modules(model: nn.Module) -> dict[str, QuantLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
-def build_state_dict(model: nn.Module, fmt_name: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    fmt = get_format(fmt_name)
-    qmodules = quantized_modules(model)
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()  # tied weights (lm_head = embed_tokens) are written once
-    for name, tensor in model.state_dict().items():
-        owner = name.rsplit(".", 1)[0]
-        if owner in qmodules or tensor.data_ptr() in seen:
+def dense_tensor_names(model: nn.Module, quantized: Collection[str]) -> list[str]:
+    """State-dict names written as they are, in state-dict order: those not owned by a quantized linear,
+    tied weights (lm_head = embed_tokens) once. Works on a meta-device skeleton too (ties by identity)."""
+    names: list[str] = []
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name.rsplit(".", 1)[0] in quantized or id(tensor) in seen:
             continue
-        seen.add(tensor.data_ptr())
-        tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    for name, qlinear in qmodules.items():
-        for key, value in fmt.pack(qlinear.to_quantized(), dtype).items():
-            tensors[f"{name}.{key}"] = value
-        if qlinear.bias is not None:
-            tensors[f"{name}.bias"] = qlinear.bias.to(dtype)
+        seen.add(id(tensor))
+        names.append(name)
+    return names
+
+
+def cast_dense(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (tensor.to(dtype) if tensor.is_floating_point() else tensor).detach().cpu().contiguous()
+
+
+def pack_linear(name: str, qlinear: QuantLinear, fmt: CheckpointFormat, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The export tensors of one quantized linear, full names, in the format's order then the bias."""
+    tensors = {f"{name}.{key}": value for key, value in fmt.pack(qlinear.to_quantized(), dtype).items()}
+    if qlinear.bias is not None:
+        tensors[f"{name}.bias"] = qlinear.bias.to(dtype)
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
 
 
-def _write_shards(tensors: dict[str, torch.Tensor], folder: Path) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
+def build_state_dict(model: nn.Module, fmt_name: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    fmt = get_format(fmt_name)
+    qmodules = quantized_modules(model)
+    state = model.state_dict()
+    tensors = {name: cast_dense(state[name], dtype) for name in dense_tensor_names(model, qmodules)}
+    for name, qlinear in qmodules.items():
+        tensors.update(pack_linear(name, qlinear, fmt, dtype))
+    return tensors
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def plan_shards(sizes: Iterable[tuple[str, int]], shard_bytes: int | None = None) -> list[list[str]]:
+    """Tensor names per shard, in the given order, each shard at most shard_bytes (or one tensor)."""
+    shard_bytes = shard_bytes or SHARD_BYTES
+    shards: list[list[str]] = [[]]
     size = 0
-    for key, value in tensors.items():
-        nbytes = value.numel() * value.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
+    for key, n in sizes:
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
             size = 0
-        shards[-1][key] = value
-        size += nbytes
+        shards[-1].append(key)
+        size += n
+    return shards
+
+
+def write_shards(folder: Path, sizes: list[tuple[str, int]], load: Callable[[list[str]], dict[str, torch.Tensor]],
+                 shard_bytes: int | None = None) -> None:
+    """Write the named tensors as safetensors shards (and their index when more than one); `load` fetches
+    one shard's tensors at a time, so a streamed export holds one shard in memory. Within a file,
+    safetensors orders tensors itself (by dtype, then name): the bytes depend on the shard plan only."""
+    shards = plan_shards(sizes, shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
+        save_file(load(shards[0]), folder / "model.safetensors", metadata={"format": "pt"})
         return
     weight_map = {}
-    for i, shard in enumerate(shards, 1):
+    for i, keys in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / fname, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(v.numel() * v.element_size() for v in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        save_file(load(keys), folder / fname, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys, fname))
+    index = {"metadata": {"total_size": sum(n for _, n in sizes)}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_metadata(folder: Path, model: nn.Module, tokenizer, config: QuantConfig, fmt_name: str,
+                   torch_dtype: torch.dtype, report: dict | None) -> None:
+    """config.json (with quantization_config), generation config, tokenizer and quantkit.json."""
+    hf_config = model.config.to_dict()
+    hf_config.pop("quantization_config", None)
+    hf_config["dtype"] = hf_config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+    hf_config["use_cache"] = True
+    hf_config["quantization_config"] = get_format(fmt_name).quantization_config(config, ignored_modules=["lm_head"])
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    quantkit_meta = {"format": fmt_name, "quant_config": config.to_dict(), "report": report or {}}
+    (folder / "quantkit.json").write_text(json.dumps(quantkit_meta, indent=2, default=str))
+
+
+def publish(tmp: Path, output: Path) -> None:
+    """Replace `output` by the finished folder `tmp` (a rename: readers never see half a checkpoint)."""
+    if output.exists():
+        shutil.rmtree(output)
+    tmp.rename(output)
 
 
 def export_checkpoint(
@@ -99,22 +154,10 @@ def export_checkpoint(
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
-        _write_shards(build_state_dict(model, fmt_name, torch_dtype), tmp)
-        hf_config = model.config.to_dict()
-        hf_config.pop("quantization_config", None)
-        hf_config["dtype"] = hf_config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
-        hf_config["use_cache"] = True
-        hf_config["quantization_config"] = fmt.quantization_config(config, ignored_modules=["lm_head"])
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        quantkit_meta = {"format": fmt_name, "quant_config": config.to_dict(), "report": report or {}}
-        (tmp / "quantkit.json").write_text(json.dumps(quantkit_meta, indent=2, default=str))
-        if output.exists():
-            shutil.rmtree(output)
-        tmp.rename(output)
+        tensors = build_state_dict(model, fmt_name, torch_dtype)
+        write_shards(tmp, [(k, nbytes(v)) for k, v in tensors.items()], lambda keys: {k: tensors[k] for k in keys})
+        write_metadata(tmp, model, tokenizer, config, fmt_name, torch_dtype, report)
+        publish(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
