@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from torch import nn
 
 from quantkit.config import QuantConfig
@@ -259,11 +266,13 @@ def _quantize_step(
 
 
 def _memory_note(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB peak GPU"
+    """Peak host RSS always (streaming bounds it), and peak GPU memory on a GPU."""
     import resource
 
-    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB peak RSS"
+    note = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB peak RSS"
+    if device.type == "cuda":
+        note += f", {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB peak GPU"
+    return note
 
 
 def quantize_model(
@@ -299,7 +308,8 @@ def quantize_model(
     layer_source = layer_source or _ResidentLayers()
     layers = adapter.get_layers(model)
     progress = Progress(TextColumn("[bold]quantizing {task.fields[method]}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TextColumn("{task.fields[note]}"), disable=not show_progress)
+                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[note]}"),
+                        disable=not show_progress)
     with progress:
         task = progress.add_task("layers", total=len(layers), completed=start_layer, method=config.method, note="")
         for i, layer in enumerate(layers):
