@@ -39,11 +39,12 @@ CONFIGS = {
 FORMATS = {"rtn": "compressed-tensors", "gptq": "gptq", "awq": "awq", "qqq": "compressed-tensors"}
 
 
-def _checkpoint(folder: Path, layers: int = 2, vocab: int = 128, tokenizer=None) -> Path:
+def _checkpoint(folder: Path, layers: int = 2, vocab: int = 128, tokenizer=None, tied: bool = False) -> Path:
     """A random Llama saved by transformers in shards of a few tens of KB (so several shards)."""
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256)
+                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256,
+                         tie_word_embeddings=tied)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="40KB")
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
@@ -97,6 +98,36 @@ def test_several_output_shards_cut_alike(sharded, tmp_path, single_thread, monke
     assert _digest(out) == expected
 
 
+def test_tied_embeddings_written_once_as_in_memory(tmp_path, single_thread) -> None:
+    source = _checkpoint(tmp_path / "src", tied=True)
+    expected = _digest(_in_memory(source, CONFIGS["rtn"], "gptq", tmp_path / "memory"))
+    out, _ = _streamed(source, CONFIGS["rtn"], "gptq", tmp_path / "streamed")
+    assert _digest(out) == expected
+
+
+def test_killed_after_publishing_is_finished_on_rerun(sharded, tmp_path, single_thread, monkeypatch) -> None:
+    import quantkit.streaming.run as run
+
+    def publish_then_die(folder: Path, output: Path) -> None:
+        quantkit.export.publish(folder, output)
+        raise _Crash
+
+    monkeypatch.setattr(run, "publish", publish_then_die)
+    out = tmp_path / "out"
+    with pytest.raises(_Crash):
+        _streamed(sharded, CONFIGS["rtn"], "gptq", out)
+    monkeypatch.undo()
+    expected = _digest(out)
+    assert _streamed(sharded, CONFIGS["rtn"], "gptq", out) == (out, None)
+    assert _digest(out) == expected and not work_dir_for(out).exists()
+    with pytest.raises(QuantizationError, match="already exists"):  # a finished export is not redone
+        _streamed(sharded, CONFIGS["rtn"], "gptq", out)
+
+
+class _Crash(Exception):
+    pass
+
+
 class _CountingLayers(StreamedLayers):
     """Also counts how many layers hold real weights, seen from the module tree itself."""
 
@@ -119,10 +150,6 @@ def test_one_layer_materialized_at_a_time(tmp_path, single_thread, depth: int) -
     assert len(report.layers) == depth
     assert counting.peak_live == 1 and counting.peak_seen == 1  # independent of depth
     assert all(next(layer.buffers()).is_meta for layer in layers)  # each released after its step
-
-
-class _Crash(Exception):
-    pass
 
 
 class _CrashAfter(StreamedLayers):
