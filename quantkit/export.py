@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 
 from quantkit.config import QuantConfig
@@ -90,19 +92,48 @@ def plan_shards(sizes: Iterable[tuple[str, int]], shard_bytes: int | None = None
     return shards
 
 
-def write_shards(folder: Path, sizes: list[tuple[str, int]], load: Callable[[list[str]], dict[str, torch.Tensor]],
+TensorSpec = Callable[[str], tuple[torch.dtype, list[int]]]
+
+
+def _safetensors_layout(names: list[str], spec: TensorSpec) -> tuple[list[str], dict[str, str]]:
+    """The order in which safetensors lays tensors out in a file (it sorts them itself) and their dtype
+    names, read from the header it writes for one-element stand-ins: no tensor data needed."""
+    blob = save({name: torch.zeros(1, dtype=spec(name)[0]) for name in names})
+    header = json.loads(blob[8:8 + struct.unpack("<Q", blob[:8])[0]])
+    return sorted(names, key=lambda n: header[n]["data_offsets"][0]), {n: header[n]["dtype"] for n in names}
+
+
+def write_safetensors(path: Path, names: list[str], spec: TensorSpec, load: Callable[[str], torch.Tensor]) -> None:
+    """The bytes safetensors' save_file writes (header, then the data in its order), fetching and
+    writing one tensor at a time: a streamed export never holds a whole shard in memory."""
+    order, dtype_names = _safetensors_layout(names, spec)
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in order:
+        dtype, shape = spec(name)
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": dtype_names[name], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name in order:
+            f.write(load(name).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def write_shards(folder: Path, sizes: list[tuple[str, int]], spec: TensorSpec, load: Callable[[str], torch.Tensor],
                  shard_bytes: int | None = None) -> None:
-    """Write the named tensors as safetensors shards (and their index when more than one); `load` fetches
-    one shard's tensors at a time, so a streamed export holds one shard in memory. Within a file,
-    safetensors orders tensors itself (by dtype, then name): the bytes depend on the shard plan only."""
+    """Write the named tensors as safetensors shards (and their index when more than one). Within a
+    file safetensors orders tensors itself (by dtype, then name): the bytes depend on the shard plan only."""
     shards = plan_shards(sizes, shard_bytes)
     if len(shards) == 1:
-        save_file(load(shards[0]), folder / "model.safetensors", metadata={"format": "pt"})
+        write_safetensors(folder / "model.safetensors", shards[0], spec, load)
         return
     weight_map = {}
     for i, keys in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(load(keys), folder / fname, metadata={"format": "pt"})
+        write_safetensors(folder / fname, keys, spec, load)
         weight_map.update(dict.fromkeys(keys, fname))
     index = {"metadata": {"total_size": sum(n for _, n in sizes)}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
@@ -155,7 +186,8 @@ def export_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         tensors = build_state_dict(model, fmt_name, torch_dtype)
-        write_shards(tmp, [(k, nbytes(v)) for k, v in tensors.items()], lambda keys: {k: tensors[k] for k in keys})
+        write_shards(tmp, [(k, nbytes(v)) for k, v in tensors.items()],
+                     lambda k: (tensors[k].dtype, list(tensors[k].shape)), tensors.__getitem__)
         write_metadata(tmp, model, tokenizer, config, fmt_name, torch_dtype, report)
         publish(tmp, output)
     except BaseException:

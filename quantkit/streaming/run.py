@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,10 +20,10 @@ from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.engine import QuantReport, quantize_model
 from quantkit.export import (
+    TensorSpec,
     cast_dense,
     dense_tensor_names,
     export_dtype,
-    nbytes,
     pack_linear,
     publish,
     write_metadata,
@@ -84,29 +85,29 @@ def _quantized_names(model: nn.Module, adapter: ArchAdapter) -> set[str]:
 
 
 def _export_plan(model: nn.Module, adapter: ArchAdapter, work: WorkDir, dtype: torch.dtype
-                 ) -> tuple[list[tuple[str, int]], Callable[[list[str]], dict[str, torch.Tensor]]]:
+                 ) -> tuple[list[tuple[str, int]], TensorSpec, Callable[[str], torch.Tensor]]:
     """The tensor order of the in-memory export (dense tensors in state-dict order, then each quantized
-    linear's), so that both paths cut the same shards; and a loader reading them from the work files."""
+    linear's), so that both paths cut the same shards; each tensor's dtype and shape; a loader reading
+    one tensor at a time from the work files (or, outside the layers, from the model)."""
     per_layer = work.tensor_sizes()
     owner = {key: i for i, sizes in enumerate(per_layer) for key, _ in sizes}
-    sizes_of = {key: n for sizes in per_layer for key, n in sizes}
+    specs = work.tensor_specs()
     state = model.state_dict()
     dense = dense_tensor_names(model, _quantized_names(model, adapter))
-    order = [(k, sizes_of[k] if k in owner else nbytes(cast_dense(state[k], dtype))) for k in dense]
+    for key in dense:
+        if key not in owner:
+            specs[key] = (dtype if state[key].is_floating_point() else state[key].dtype, list(state[key].shape))
+    order = [(k, math.prod(specs[k][1]) * specs[k][0].itemsize) for k in dense]
     dense_set = set(dense)
     order += [(k, n) for sizes in per_layer for k, n in sizes if k not in dense_set]
 
-    def load(keys: list[str]) -> dict[str, torch.Tensor]:
-        pause_between_phases()
-        tensors = {k: cast_dense(state[k], dtype) for k in keys if k not in owner}
-        for i in sorted({owner[k] for k in keys if k in owner}):
-            with safe_open(work.layer_file(i), "pt") as f:
-                tensors.update({k: f.get_tensor(k) for k in keys if owner.get(k) == i})
-        return tensors
+    def load(key: str) -> torch.Tensor:
+        if key not in owner:
+            return cast_dense(state[key], dtype)
+        with safe_open(work.layer_file(owner[key]), "pt") as f:
+            return f.get_tensor(key)
 
-    return order, load
-
-
+    return order, specs.__getitem__, load
 def _settings(config: QuantConfig, fmt_name: str, torch_dtype: torch.dtype, model: nn.Module,
               device: torch.device, batch_size: int) -> dict:
     work_dtype = next(model.parameters()).dtype
@@ -184,8 +185,8 @@ def _write_export(model: PreTrainedModel, adapter: ArchAdapter, tokenizer, confi
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir()
-    order, load = _export_plan(model, adapter, work, torch_dtype)
-    write_shards(folder, order, load)
+    pause_between_phases()
+    write_shards(folder, *_export_plan(model, adapter, work, torch_dtype))
     write_metadata(folder, model, tokenizer, config, fmt_name, torch_dtype, report.to_dict())
     pause_between_phases()
     work.mark_published()

@@ -118,7 +118,8 @@ class WorkDir:
         hidden = {f"batch.{j}": x.detach().cpu().contiguous() for j, x in enumerate(outputs)}
         _replace_atomically(self._hidden_file(index + 1), lambda p: save_file(hidden, p))
         pause_between_phases()
-        self.manifest["layers"].append({"entry": entry, "tensors": [[k, nbytes(v)] for k, v in tensors.items()]})
+        specs = [[k, nbytes(v), str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()]
+        self.manifest["layers"].append({"entry": entry, "tensors": specs})
         self._write_manifest()
         pause_between_phases()
         self._hidden_file(index).unlink(missing_ok=True)
@@ -138,7 +139,12 @@ class WorkDir:
         return [layer["entry"] for layer in self.manifest["layers"]]
 
     def tensor_sizes(self) -> list[list[tuple[str, int]]]:
-        return [[(k, n) for k, n in layer["tensors"]] for layer in self.manifest["layers"]]
+        """Per finished layer, its export tensors' names and sizes in bytes, in the order they were packed."""
+        return [[(k, n) for k, n, _, _ in layer["tensors"]] for layer in self.manifest["layers"]]
+
+    def tensor_specs(self) -> dict[str, tuple[torch.dtype, list[int]]]:
+        return {k: (getattr(torch, dtype), shape) for layer in self.manifest["layers"]
+                for k, _, dtype, shape in layer["tensors"]}
 
     def mark_published(self) -> None:
         self.manifest["published"] = True
