@@ -162,11 +162,15 @@ def quantize(
         "--moe-all-tokens", help="MoE: every expert's statistics from every calibration token (the layer's output "
         "still follows the routing); default: each expert's routed tokens, too few handled by the documented "
         "fallback")] = False,
+    resume: Annotated[bool, typer.Option("--resume/--no-resume", help="continue an interrupted streaming run of the same command")] = True,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="show the full trace of an error (or QUANTKIT_DEBUG=1)")] = False,
     **method_options: Any,  # every registered method's options, as quantize_signature declares them
 ) -> None:
-    """Calibrate and quantize MODEL, then write a checkpoint vLLM and transformers load."""
+    """Calibrate and quantize MODEL, then write a checkpoint vLLM and transformers load.
+
+    A local safetensors folder is streamed: one decoder layer in memory at a time, each finished layer
+    kept beside the output so that rerunning an interrupted command resumes after the last one."""
     _setup_logging(verbose)
     options = {name: value for name, value in ctx.params.items() if name != "debug"}
     _guarded(lambda: _quantize(**options), debug)
@@ -264,16 +268,17 @@ quantize.__signature__ = quantize_signature()  # type: ignore[attr-defined]
 
 def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, nsamples, seqlen, seed, chat_template,
               output, overwrite, dtype, device, batch_size, evaluate, eval_windows, trust_remote_code, allow_pickle,
-              verbose, moe_all_tokens, **method_options) -> None:
+              verbose, moe_all_tokens, resume, **method_options) -> None:
     from quantkit.config import QuantConfig
     from quantkit.data import build_calibration_set, load_passages
     from quantkit.engine import quantize_model
     from quantkit.export import export_checkpoint
     from quantkit.formats import get_format
     from quantkit.models import get_adapter, load_model
-    from quantkit.models.loading import default_dtype
+    from quantkit.models.loading import default_dtype, load_tokenizer
     from quantkit.preflight import check_quantize_request, resolve_device
     from quantkit.quantizers.base import method_class
+    from quantkit.streaming import open_streamed_model, streamable_reason
 
     work_device = resolve_device(device)
     if nsamples is None:
@@ -296,15 +301,25 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
                            dtype=dtype, bits=bits)
     _phase("reading the calibration text")
     passages = load_passages(calib)
-    _phase(f"loading {model or 'the embedded default model'}")
-    lm, tokenizer = load_model(model, dtype=default_dtype(work_device), trust_remote_code=trust_remote_code,
-                               allow_pickle=allow_pickle)
+    not_streamed = streamable_reason(model, trust_remote_code)
+    if not_streamed is None:
+        _phase(f"opening {model} to stream it layer by layer")
+        lm, ckpt = open_streamed_model(model, default_dtype(work_device))
+        tokenizer = load_tokenizer(model)
+    else:
+        _phase(f"loading {model or 'the embedded default model'} whole: {not_streamed}")
+        lm, tokenizer = load_model(model, dtype=default_dtype(work_device), trust_remote_code=trust_remote_code,
+                                   allow_pickle=allow_pickle)
     adapter = get_adapter(lm)
     config = scheme(resolve_group_size(lm, adapter, group_size))
     console.print(f"[bold]{lm.config.model_type}[/] {config.method} W{config.bits}A{config.act_bits} "
                   f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format}, "
                   f"{nsamples} x {seqlen} calibration tokens on {work_device}")
     calib_set = build_calibration_set(tokenizer, passages, nsamples, seqlen, seed, chat_template)
+    if not_streamed is None:
+        _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, format, output, dtype, work_device,
+                           batch_size, overwrite, resume, evaluate)
+        return
     if evaluate:
         _phase("held-out perplexity of the original model")
     before = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
@@ -315,9 +330,7 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
     _phase(f"exporting to {output}")
     out = export_checkpoint(lm.cpu(), tokenizer, output, config, format, report=report.to_dict(),
                             dtype=dtype, overwrite=overwrite)
-    if report.fallbacks:
-        console.print(f"[yellow]{len(report.fallbacks)} fallback(s):[/] " + "; ".join(report.fallbacks))
-    console.print(f"quantized {len(report.layers)} layers in {report.seconds:.1f}s -> [bold]{out}[/]")
+    _print_summary(report, out)
     if evaluate:
         table = Table(title="held-out perplexity")
         table.add_column("text")
@@ -327,6 +340,27 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
         for name in before:
             table.add_row(name, f"{before[name]:.3f}", f"{after[name]:.3f}", f"{after[name] - before[name]:+.3f}")
         Console().print(table)
+
+
+def _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, fmt_name: str, output: Path, dtype: str,
+                       work_device: str, batch_size: int, overwrite: bool, resume: bool, evaluate: bool) -> None:
+    from quantkit.streaming import quantize_streaming
+
+    if evaluate:
+        console.print("held-out perplexity needs the whole model in memory: skipped while streaming "
+                      "(run `quantkit eval` on the export)")
+    out, report = quantize_streaming(lm, ckpt, tokenizer, calib_set, config, fmt_name, output, dtype=dtype,
+                                     device=work_device, batch_size=batch_size, overwrite=overwrite, resume=resume)
+    if report is None:
+        console.print(f"the export of this command was already complete -> [bold]{out}[/]")
+        return
+    _print_summary(report, out)
+
+
+def _print_summary(report, out: Path) -> None:
+    if report.fallbacks:
+        console.print(f"[yellow]{len(report.fallbacks)} fallback(s):[/] " + "; ".join(report.fallbacks))
+    console.print(f"quantized {len(report.layers)} layers in {report.seconds:.1f}s -> [bold]{out}[/]")
 
 
 @app.command("eval")

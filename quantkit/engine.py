@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from torch import nn
 
 from quantkit.config import QuantConfig
@@ -112,10 +119,28 @@ def capture_layer_inputs(
                 pass
     finally:
         hook.remove()
+        base.to(base_device)  # before the layers return: streamed ones are on the meta device
         for i, layer in enumerate(originals):
             layers[i] = layer
-        base.to(base_device)
     return first_inputs, sinks, masks
+
+
+class LayerSource(Protocol):
+    """Where a decoder layer's weights come from: loaded before its step, released after it."""
+
+    def load(self, index: int, layer: nn.Module) -> None: ...
+
+    def release(self, index: int, layer: nn.Module) -> None: ...
+
+
+class _ResidentLayers:
+    """The in-memory path: every layer is already loaded and stays in the model."""
+
+    def load(self, index: int, layer: nn.Module) -> None:
+        pass
+
+    def release(self, index: int, layer: nn.Module) -> None:
+        pass
 
 
 def _replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -172,11 +197,13 @@ def _quantize_step(
 
 
 def _memory_note(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB peak GPU"
+    """Peak host RSS always (streaming bounds it), and peak GPU memory on a GPU."""
     import resource
 
-    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB peak RSS"
+    note = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB peak RSS"
+    if device.type == "cuda":
+        note += f", {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB peak GPU"
+    return note
 
 
 def quantize_model(
@@ -187,8 +214,18 @@ def quantize_model(
     device: torch.device | str | None = None,
     batch_size: int = 8,
     show_progress: bool = True,
+    layer_source: LayerSource | None = None,
+    on_layer_done: Callable[[int, nn.Module, list[torch.Tensor], dict], None] | None = None,
+    start_layer: int = 0,
+    hidden_states: list[torch.Tensor] | None = None,
 ) -> QuantReport:
-    """Quantize every decoder-layer linear of `model` in place, layer by layer; returns the report."""
+    """Quantize every decoder-layer linear of `model` in place, layer by layer; returns the report.
+
+    Streaming hook (quantkit.streaming): `layer_source` loads layer i's weights before its step and
+    releases them after (default: the layers are already resident); `on_layer_done(i, layer, outputs,
+    entry)` sees each finished layer before its release; a resumed run starts at `start_layer` with
+    `hidden_states` (the inputs of that layer per batch) instead of the captured layer-0 inputs.
+    """
     config.validate()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     method = get_method(config)
@@ -200,15 +237,21 @@ def quantize_model(
     log.info("capturing the first layer's inputs (%d calibration samples)", len(calib))
     with timer("capture"):
         inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
+    if hidden_states is not None:
+        inputs = _move(hidden_states, device)
+    layer_source = layer_source or _ResidentLayers()
     layers = adapter.get_layers(model)
     layers_start = time.perf_counter()
     progress = Progress(TextColumn("[bold]quantizing {task.fields[method]}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("{task.fields[note]}"), disable=not show_progress)
     with progress:
-        task = progress.add_task("layers", total=len(layers), method=config.method, note="")
+        task = progress.add_task("layers", total=len(layers), completed=start_layer, method=config.method, note="")
         for i, layer in enumerate(layers):
+            if i < start_layer:
+                continue
             t0 = time.perf_counter()
             with timer("transfer"):
+                layer_source.load(i, layer)
                 layer.to(device)
             ctx = LayerContext(i, layer, adapter, inputs, _move(layer_kwargs[i], device), masks, device)
             attach_calibration(layer, adapter, ctx, config.moe_all_tokens)
@@ -238,7 +281,12 @@ def quantize_model(
                 layer.to("cpu")
             entry["seconds"] = time.perf_counter() - t0
             report.layers.append(entry)
-            note = f"{entry['seconds']:.1f}s/layer, ETA {_eta(layers_start, i + 1, len(layers))}, {_memory_note(device)}"
+            if on_layer_done is not None:
+                on_layer_done(i, layer, inputs, entry)
+            layer_source.release(i, layer)
+            done = i + 1 - start_layer
+            note = f"{entry['seconds']:.1f}s/layer, ETA {_eta(layers_start, done, len(layers) - start_layer)}, " \
+                   f"{_memory_note(device)}"
             progress.update(task, advance=1, note=note)
             if not progress.console.is_terminal:  # a log file: one line per layer instead of a bar
                 log.info("layer %d/%d quantized: %s", i + 1, len(layers), note)

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import errno
 import json
+import math
+import struct
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 
 from quantkit.config import QuantConfig
 from quantkit.formats import get_format
+from quantkit.formats.base import CheckpointFormat
 from quantkit.models.moe import checkpoint_name
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.outputs import check_free_space, check_output_target, staged_output
@@ -36,46 +40,125 @@ def quantized_modules(model: nn.Module) -> dict[str, QuantLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
-def build_state_dict(model: nn.Module, fmt_name: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    fmt = get_format(fmt_name)
-    qmodules = quantized_modules(model)
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()  # tied weights (lm_head = embed_tokens) are written once
-    for name, tensor in model.state_dict().items():
-        owner = name.rsplit(".", 1)[0]
-        if owner in qmodules or tensor.data_ptr() in seen:
+def dense_tensor_names(model: nn.Module, quantized: Collection[str]) -> list[str]:
+    """State-dict names written as they are, in state-dict order: those not owned by a quantized linear,
+    tied weights (lm_head = embed_tokens) once. Works on a meta-device skeleton too (ties by identity)."""
+    names: list[str] = []
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name.rsplit(".", 1)[0] in quantized or id(tensor) in seen:
             continue
-        seen.add(tensor.data_ptr())
-        tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    for name, qlinear in qmodules.items():
-        for key, value in fmt.pack(qlinear.to_quantized(), dtype).items():
-            tensors[f"{name}.{key}"] = value
-        if qlinear.bias is not None:
-            tensors[f"{name}.bias"] = qlinear.bias.to(dtype)
+        seen.add(id(tensor))
+        names.append(name)
+    return names
+
+
+def cast_dense(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (tensor.to(dtype) if tensor.is_floating_point() else tensor).detach().cpu().contiguous()
+
+
+def pack_linear(name: str, qlinear: QuantLinear, fmt: CheckpointFormat, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The export tensors of one quantized linear, full names, in the format's order then the bias."""
+    tensors = {f"{name}.{key}": value for key, value in fmt.pack(qlinear.to_quantized(), dtype).items()}
+    if qlinear.bias is not None:
+        tensors[f"{name}.bias"] = qlinear.bias.to(dtype)
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
 
 
-def _write_shards(tensors: dict[str, torch.Tensor], folder: Path) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
+def build_state_dict(model: nn.Module, fmt_name: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    fmt = get_format(fmt_name)
+    qmodules = quantized_modules(model)
+    state = model.state_dict()
+    tensors = {name: cast_dense(state[name], dtype) for name in dense_tensor_names(model, qmodules)}
+    for name, qlinear in qmodules.items():
+        tensors.update(pack_linear(name, qlinear, fmt, dtype))
+    return tensors
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def plan_shards(sizes: Iterable[tuple[str, int]], shard_bytes: int | None = None) -> list[list[str]]:
+    """Tensor names per shard, in the given order, each shard at most shard_bytes (or one tensor)."""
+    shard_bytes = shard_bytes or SHARD_BYTES
+    shards: list[list[str]] = [[]]
     size = 0
-    for key, value in tensors.items():
-        nbytes = value.numel() * value.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
+    for key, n in sizes:
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
             size = 0
-        shards[-1][key] = value
-        size += nbytes
+        shards[-1].append(key)
+        size += n
+    return shards
+
+
+TensorSpec = Callable[[str], tuple[torch.dtype, list[int]]]
+
+
+def _safetensors_layout(names: list[str], spec: TensorSpec) -> tuple[list[str], dict[str, str]]:
+    """The order in which safetensors lays tensors out in a file (it sorts them itself) and their dtype
+    names, read from the header it writes for one-element stand-ins: no tensor data needed."""
+    blob = save({name: torch.zeros(1, dtype=spec(name)[0]) for name in names})
+    header = json.loads(blob[8:8 + struct.unpack("<Q", blob[:8])[0]])
+    return sorted(names, key=lambda n: header[n]["data_offsets"][0]), {n: header[n]["dtype"] for n in names}
+
+
+def write_safetensors(path: Path, names: list[str], spec: TensorSpec, load: Callable[[str], torch.Tensor]) -> None:
+    """The bytes safetensors' save_file writes (header, then the data in its order), fetching and
+    writing one tensor at a time: a streamed export never holds a whole shard in memory."""
+    order, dtype_names = _safetensors_layout(names, spec)
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in order:
+        dtype, shape = spec(name)
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": dtype_names[name], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name in order:
+            f.write(load(name).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def write_shards(folder: Path, sizes: list[tuple[str, int]], spec: TensorSpec, load: Callable[[str], torch.Tensor],
+                 shard_bytes: int | None = None) -> None:
+    """Write the named tensors as safetensors shards (and their index when more than one). Within a
+    file safetensors orders tensors itself (by dtype, then name): the bytes depend on the shard plan only."""
+    shards = plan_shards(sizes, shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
+        write_safetensors(folder / "model.safetensors", shards[0], spec, load)
         return
     weight_map = {}
-    for i, shard in enumerate(shards, 1):
+    for i, keys in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / fname, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(v.numel() * v.element_size() for v in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        write_safetensors(folder / fname, keys, spec, load)
+        weight_map.update(dict.fromkeys(keys, fname))
+    index = {"metadata": {"total_size": sum(n for _, n in sizes)}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_metadata(folder: Path, model: nn.Module, tokenizer, config: QuantConfig, fmt_name: str,
+                   torch_dtype: torch.dtype, report: dict | None) -> None:
+    """config.json (with quantization_config), generation config, tokenizer and quantkit.json."""
+    hf_config = model.config.to_dict()
+    hf_config.pop("quantization_config", None)
+    hf_config["dtype"] = hf_config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+    hf_config["use_cache"] = True
+    # every linear left in full precision: lm_head, and MoE routers / shared-expert gates, which loaders would
+    # otherwise expect packed
+    unquantized = [checkpoint_name(model, name) for name, module in model.named_modules()
+                   if isinstance(module, nn.Linear)]
+    hf_config["quantization_config"] = get_format(fmt_name).quantization_config(config, ignored_modules=unquantized)
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    quantkit_meta = {"format": fmt_name, "quant_config": config.to_dict(), "report": report or {}}
+    (folder / "quantkit.json").write_text(json.dumps(quantkit_meta, indent=2, default=str))
 
 
 def export_checkpoint(
@@ -97,35 +180,16 @@ def export_checkpoint(
     if not quantized_modules(model):
         raise QuantizationError("the model has no quantized layers to export")
     torch_dtype = export_dtype(model, dtype)
-    tensors = build_state_dict(model, fmt_name, torch_dtype)
+    tensors = {checkpoint_name(model, k): v for k, v in build_state_dict(model, fmt_name, torch_dtype).items()}
     output.parent.mkdir(parents=True, exist_ok=True)
-    check_free_space(output.parent, sum(v.numel() * v.element_size() for v in tensors.values()), "the export")
+    check_free_space(output.parent, sum(nbytes(v) for v in tensors.values()), "the export")
     try:
         with staged_output(output) as folder:
-            _write_folder(model, tokenizer, tensors, folder, config, fmt_name, torch_dtype, report)
+            write_shards(folder, [(k, nbytes(v)) for k, v in tensors.items()],
+                         lambda k: (tensors[k].dtype, list(tensors[k].shape)), tensors.__getitem__)
+            write_metadata(folder, model, tokenizer, config, fmt_name, torch_dtype, report)
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise QuantizationError(f"disk full while writing {output}; nothing was replaced: free space and rerun") from err
         raise
     return output
-
-
-def _write_folder(model: nn.Module, tokenizer, tensors: dict[str, torch.Tensor], folder: Path,
-                  config: QuantConfig, fmt_name: str, torch_dtype: torch.dtype, report: dict | None) -> None:
-    _write_shards({checkpoint_name(model, k): v for k, v in tensors.items()}, folder)
-    hf_config = model.config.to_dict()
-    hf_config.pop("quantization_config", None)
-    hf_config["dtype"] = hf_config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
-    hf_config["use_cache"] = True
-    # every linear left in full precision: lm_head, and MoE routers / shared-expert gates, which loaders would
-    # otherwise expect packed
-    unquantized = [checkpoint_name(model, name) for name, module in model.named_modules()
-                   if isinstance(module, nn.Linear)]
-    hf_config["quantization_config"] = get_format(fmt_name).quantization_config(config, ignored_modules=unquantized)
-    (folder / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(folder)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-    quantkit_meta = {"format": fmt_name, "quant_config": config.to_dict(), "report": report or {}}
-    (folder / "quantkit.json").write_text(json.dumps(quantkit_meta, indent=2, default=str))

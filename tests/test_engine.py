@@ -117,7 +117,7 @@ def test_export_failure_leaves_nothing(tmp_path, monkeypatch) -> None:
     def broken(*_a, **_k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(export, "save_file", broken)
+    monkeypatch.setattr(export, "write_safetensors", broken)
     with pytest.raises(OSError, match="disk full"):
         export_checkpoint(model, None, tmp_path / "ckpt", config, "compressed-tensors")
     assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,123 @@
+"""Peak host memory of a streamed GPTQ quantization on the CPU, against the checkpoint's size and depth.
+
+Writes a random-weight Llama-shaped bf16 checkpoint of at least --size-gb (sharded, with an index and the
+SmolLM2 tokenizer) into --dir, one layer at a time so that writing it needs little memory itself; runs
+`quantkit quantize` on it under /usr/bin/time -v; then does the same with twice the layers. Pass: the
+peak RSS is at most 30% of the checkpoint's size, and doubling the layers raises it by at most 10%.
+
+    python benchmarks/bench_streaming_memory.py --dir /work/bench-tmp --size-gb 3 --json r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from quantkit.models.loading import default_model_path, load_tokenizer
+
+
+def _config(layers: int, args: argparse.Namespace, vocab: int) -> LlamaConfig:
+    return LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=layers,
+                       num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 256,
+                       vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=4096, dtype="bfloat16")
+
+
+def _shapes(config: LlamaConfig) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    state = model.state_dict()
+    return {name: state[name].shape for name in dict.fromkeys(state) if name != "lm_head.weight"}
+
+
+def write_checkpoint(folder: Path, config: LlamaConfig, tokenizer) -> int:
+    """One shard per decoder layer (and one for the rest), each filled with random bf16 and written at once."""
+    folder.mkdir(parents=True)
+    shapes = _shapes(config)
+    groups: dict[str, list[str]] = {}
+    for name in shapes:
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        groups.setdefault(f"layer{int(match.group(1)):05d}" if match else "rest", []).append(name)
+    weight_map, total, gen = {}, 0, torch.Generator().manual_seed(0)
+    for i, names in enumerate(groups.values(), 1):
+        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {n: (torch.randn(shapes[n], generator=gen) * 0.02).to(torch.bfloat16) for n in names}
+        for n in names:
+            if n.endswith("norm.weight"):
+                tensors[n] = torch.ones(shapes[n], dtype=torch.bfloat16)
+        save_file(tensors, folder / fname, metadata={"format": "pt"})
+        total += sum(t.numel() * 2 for t in tensors.values())
+        weight_map.update(dict.fromkeys(names, fname))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return total
+
+
+def peak_rss_quantizing(source: Path, args: argparse.Namespace) -> tuple[int, float]:
+    """(peak RSS in bytes of the quantkit process, seconds)."""
+    output = source.with_name(source.name + "-q")
+    shutil.rmtree(output, ignore_errors=True)
+    command = ["/usr/bin/time", "-v", sys.executable, "-m", "quantkit", "quantize", str(source), "--method",
+               args.method, "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen), "--device", "cpu",
+               "--no-eval", "--output", str(output)]
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    seconds = time.perf_counter() - start
+    if result.returncode:
+        raise SystemExit(result.stderr[-3000:])
+    kbytes = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr).group(1))
+    shutil.rmtree(output, ignore_errors=True)
+    return kbytes * 1024, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=Path("/work/bench-tmp"))
+    parser.add_argument("--size-gb", type=float, default=3.0, help="checkpoint size on disk (bf16), at least")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=4096)
+    parser.add_argument("--method", default="gptq")
+    parser.add_argument("--nsamples", type=int, default=4)
+    parser.add_argument("--seqlen", type=int, default=64)
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    tokenizer = load_tokenizer(str(default_model_path()))
+    probe = _shapes(_config(1, args, len(tokenizer)))
+    per_layer = sum(math.prod(s) * 2 for n, s in probe.items() if n.startswith("model.layers."))
+    rest = sum(math.prod(s) * 2 for n, s in probe.items() if not n.startswith("model.layers."))
+    layers = math.ceil((args.size_gb * 1e9 - rest) / per_layer)
+    rows = []
+    for depth in (layers, 2 * layers):
+        folder = args.dir / f"llama-{depth}l"
+        shutil.rmtree(folder, ignore_errors=True)
+        size = write_checkpoint(folder, _config(depth, args, len(tokenizer)), tokenizer)
+        peak, seconds = peak_rss_quantizing(folder, args)
+        rows.append({"layers": depth, "checkpoint_bytes": size, "peak_rss_bytes": peak, "seconds": seconds,
+                     "peak_over_size": peak / size})
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"{depth} layers, {size / 1e9:.2f} GB: peak RSS {peak / 1e9:.3f} GB "
+              f"({100 * peak / size:.1f}% of the checkpoint), {seconds:.0f} s", flush=True)
+    growth = rows[1]["peak_rss_bytes"] / rows[0]["peak_rss_bytes"] - 1
+    verdict = {"peak_at_most_30_percent": rows[0]["peak_over_size"] <= 0.30,
+               "doubling_layers_at_most_10_percent": growth <= 0.10, "growth_when_doubling": growth}
+    print(json.dumps(verdict))
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": rows,
+                                         **verdict}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

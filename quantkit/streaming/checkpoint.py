@@ -1,0 +1,92 @@
+"""Read a local safetensors checkpoint (one file, or shards with an index) a few tensors at a time.
+
+Each read opens the shards it needs memory-mapped, copies out only the requested tensors and closes
+them again, so the mapped pages of other layers never count towards the process's resident memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from quantkit.qtensor import QuantizationError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def streamable_reason(source: str | None, trust_remote_code: bool) -> str | None:
+    """None when `source` can be streamed; else why the whole model is loaded in memory instead."""
+    if source is None:
+        return "the embedded default model is a GGUF file"
+    folder = Path(source).expanduser()
+    if folder.suffix == ".gguf":
+        return "GGUF sources are dequantized as a whole by transformers"
+    if not folder.is_dir():
+        return "the source is not a local folder"
+    if trust_remote_code:
+        return "remote-code models are built by their own code"
+    if not ((folder / INDEX_NAME).is_file() or (folder / SINGLE_NAME).is_file()):
+        return "the folder holds no model.safetensors or safetensors index"
+    if _has_experts(folder):
+        return "mixture-of-experts models are rewritten into per-expert linears as a whole"
+    return None
+
+
+def _has_experts(folder: Path) -> bool:
+    from quantkit.models.adapters import find_adapter
+
+    config = folder / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    adapter = find_adapter(model_type) if model_type else None
+    return adapter is not None and adapter.experts is not None
+
+
+class SafetensorsCheckpoint:
+    """The tensor names of a local checkpoint, which shard holds each, and reads by name or prefix."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder).expanduser().resolve()
+        index = self.folder / INDEX_NAME
+        if index.is_file():
+            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif (self.folder / SINGLE_NAME).is_file():
+            with safe_open(self.folder / SINGLE_NAME, "pt") as f:
+                self.weight_map = dict.fromkeys(f.keys(), SINGLE_NAME)
+        else:
+            raise QuantizationError(f"{self.folder} holds no {SINGLE_NAME} or {INDEX_NAME}")
+
+    def names(self, prefix: str = "") -> list[str]:
+        return [name for name in self.weight_map if name.startswith(prefix)]
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Copies of the named tensors, each shard mapped only while its tensors are copied out."""
+        missing = [n for n in names if n not in self.weight_map]
+        if missing:
+            raise QuantizationError(f"{self.folder}: the checkpoint has no tensor {missing[0]!r}")
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for name in names:
+            by_file[self.weight_map[name]].append(name)
+        tensors: dict[str, torch.Tensor] = {}
+        for fname, keys in by_file.items():
+            with safe_open(self.folder / fname, "pt") as f:
+                tensors.update({k: f.get_tensor(k).clone() for k in keys})
+        return tensors
+
+    def fingerprint(self) -> str:
+        """Identifies the source without reading its weights: config and index bytes, each shard's
+        name, size and modification time (a rewritten shard changes them)."""
+        digest = hashlib.sha256()
+        for name in ("config.json", INDEX_NAME):
+            path = self.folder / name
+            if path.is_file():
+                digest.update(name.encode() + path.read_bytes())
+        for fname in sorted(set(self.weight_map.values())):
+            stat = (self.folder / fname).stat()
+            digest.update(f"{fname}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        return digest.hexdigest()

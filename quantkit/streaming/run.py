@@ -1,0 +1,194 @@
+"""Streaming quantization: layers from the checkpoint's shards, through the engine, into resumable work
+files, then into the export's shards; host memory holds about one layer plus the calibration states."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import PreTrainedModel
+
+from quantkit.config import QuantConfig
+from quantkit.data import CalibrationSet
+from quantkit.engine import QuantReport, quantize_model
+from quantkit.export import (
+    TensorSpec,
+    cast_dense,
+    dense_tensor_names,
+    export_dtype,
+    pack_linear,
+    write_metadata,
+    write_shards,
+)
+from quantkit.formats import get_format
+from quantkit.formats.base import CheckpointFormat
+from quantkit.models import get_adapter
+from quantkit.models.adapters import ArchAdapter
+from quantkit.nn.qlinear import QuantLinear
+from quantkit.outputs import apply_umask, check_output_target, replace_atomically
+from quantkit.qtensor import QuantizationError
+from quantkit.streaming.checkpoint import SafetensorsCheckpoint
+from quantkit.streaming.skeleton import StreamedLayers, build_skeleton, load_outside_layers
+from quantkit.streaming.workdir import WorkDir, pause_between_phases, run_key, work_dir_for
+
+log = logging.getLogger("quantkit")
+
+def open_streamed_model(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, SafetensorsCheckpoint]:
+    """The meta skeleton of `source` with its tensors outside the decoder layers loaded."""
+    ckpt = SafetensorsCheckpoint(source)
+    model = build_skeleton(source, dtype)
+    load_outside_layers(model, ckpt, get_adapter(model))
+    return model, ckpt
+
+
+@contextmanager
+def _disk_errors(work: Path) -> Iterator[None]:
+    """A full, read-only or forbidden disk is one line; the finished layers stay for the resume."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM):
+            raise
+        raise QuantizationError(f"cannot write {err.filename or work}: {err.strerror}; finished layers are kept "
+                                f"in {work}, rerun the same command to resume") from err
+
+
+def _layer_tensors(index: int, layer: nn.Module, adapter: ArchAdapter, fmt: CheckpointFormat,
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Layer `index`'s export tensors: the non-quantized ones (norms) then each quantized linear's,
+    named and cast exactly as export.build_state_dict names and casts them for the whole model."""
+    prefix = f"{adapter.layers}.{index}."
+    qlinears = {name: m for name, m in layer.named_modules() if isinstance(m, QuantLinear)}
+    state = layer.state_dict()
+    tensors = {prefix + n: cast_dense(state[n], dtype) for n in dense_tensor_names(layer, qlinears)}
+    for name, qlinear in qlinears.items():
+        tensors.update(pack_linear(prefix + name, qlinear, fmt, dtype))
+    return tensors
+
+
+def _quantized_names(model: nn.Module, adapter: ArchAdapter) -> set[str]:
+    """Full names of the linears the engine quantizes, known before any layer is loaded."""
+    names = set()
+    for i, layer in enumerate(adapter.get_layers(model)):
+        modules = dict(layer.named_modules())
+        names.update(f"{adapter.layers}.{i}.{n}" for n in adapter.linear_names()
+                     if isinstance(modules.get(n), nn.Linear | QuantLinear))
+    return names
+
+
+def _export_plan(model: nn.Module, adapter: ArchAdapter, work: WorkDir, dtype: torch.dtype
+                 ) -> tuple[list[tuple[str, int]], TensorSpec, Callable[[str], torch.Tensor]]:
+    """The tensor order of the in-memory export (dense tensors in state-dict order, then each quantized
+    linear's), so that both paths cut the same shards; each tensor's dtype and shape; a loader reading
+    one tensor at a time from the work files (or, outside the layers, from the model)."""
+    per_layer = work.tensor_sizes()
+    owner = {key: i for i, sizes in enumerate(per_layer) for key, _ in sizes}
+    specs = work.tensor_specs()
+    state = model.state_dict()
+    dense = dense_tensor_names(model, _quantized_names(model, adapter))
+    for key in dense:
+        if key not in owner:
+            specs[key] = (dtype if state[key].is_floating_point() else state[key].dtype, list(state[key].shape))
+    order = [(k, math.prod(specs[k][1]) * specs[k][0].itemsize) for k in dense]
+    dense_set = set(dense)
+    order += [(k, n) for sizes in per_layer for k, n in sizes if k not in dense_set]
+
+    def load(key: str) -> torch.Tensor:
+        if key not in owner:
+            return cast_dense(state[key], dtype)
+        with safe_open(work.layer_file(owner[key]), "pt") as f:
+            return f.get_tensor(key)
+
+    return order, specs.__getitem__, load
+def _settings(config: QuantConfig, fmt_name: str, torch_dtype: torch.dtype, model: nn.Module,
+              device: torch.device, batch_size: int) -> dict:
+    work_dtype = next(model.parameters()).dtype
+    return {"quant": config.to_dict(), "format": fmt_name, "export_dtype": str(torch_dtype),
+            "work_dtype": str(work_dtype), "device": device.type, "batch_size": batch_size}
+
+
+def _log_hidden_states(calib: CalibrationSet, model: nn.Module, device: torch.device) -> None:
+    width = model.config.get_text_config().hidden_size
+    size = calib.input_ids.numel() * width * next(model.parameters()).element_size()
+    log.info("calibration hidden states: %.2f GiB on %s (plus the same again for each layer's outputs)",
+             size / 2**30, device)
+
+
+def quantize_streaming(
+    model: PreTrainedModel,
+    ckpt: SafetensorsCheckpoint,
+    tokenizer,
+    calib: CalibrationSet,
+    config: QuantConfig,
+    fmt_name: str,
+    output: str | Path,
+    *,
+    dtype: str = "auto",
+    device: torch.device | str | None = None,
+    batch_size: int = 8,
+    overwrite: bool = False,
+    resume: bool = True,
+    show_progress: bool = True,
+    layer_source: StreamedLayers | None = None,
+) -> tuple[Path, QuantReport | None]:
+    """Quantize the skeleton from open_streamed_model layer by layer and write the export at `output`.
+
+    Returns the output and the report (None when an earlier run of the same command had already
+    published the export and was stopped while cleaning up)."""
+    fmt = get_format(fmt_name)
+    fmt.check(config)
+    output = Path(output).expanduser().resolve()
+    adapter = get_adapter(model)
+    torch_dtype = export_dtype(model, dtype)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    settings = _settings(config, fmt_name, torch_dtype, model, device, batch_size)
+    work = WorkDir(work_dir_for(output), run_key(ckpt.fingerprint(), settings, calib))
+    if output.exists() and work.published():
+        log.warning("%s already holds this run's export; removing the leftover %s", output, work.path)
+        work.remove()
+        return output, None
+    check_output_target(output, overwrite)
+    with _disk_errors(work.path):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        start = work.open(resume)
+        _log_hidden_states(calib, model, device)
+        layer_source = layer_source or StreamedLayers(ckpt, adapter, next(model.parameters()).dtype)
+
+        def on_layer_done(index: int, layer: nn.Module, outputs: list[torch.Tensor], entry: dict) -> None:
+            pause_between_phases()
+            work.save_layer(index, _layer_tensors(index, layer, adapter, fmt, torch_dtype), outputs, entry)
+
+        report = quantize_model(model, adapter, calib, config, device=device, batch_size=batch_size,
+                                show_progress=show_progress, layer_source=layer_source,
+                                on_layer_done=on_layer_done, start_layer=start,
+                                hidden_states=work.hidden_states(start) if start else None)
+        report.layers = work.entries()
+        report.fallbacks = [f"layer {e['layer']} {name}: {info['fallback']}" for e in report.layers
+                            for name, info in e["linears"].items() if info.get("fallback")]
+        _write_export(model, adapter, tokenizer, config, fmt_name, torch_dtype, report, work, output)
+    return output, report
+
+
+def _write_export(model: PreTrainedModel, adapter: ArchAdapter, tokenizer, config: QuantConfig, fmt_name: str,
+                  torch_dtype: torch.dtype, report: QuantReport, work: WorkDir, output: Path) -> None:
+    """Assemble the export inside the work folder, rename it to `output`, then drop the work folder."""
+    folder = work.path / "export"
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir()
+    pause_between_phases()
+    write_shards(folder, *_export_plan(model, adapter, work, torch_dtype))
+    write_metadata(folder, model, tokenizer, config, fmt_name, torch_dtype, report.to_dict())
+    pause_between_phases()
+    apply_umask(folder)
+    work.mark_published()
+    replace_atomically(folder, output)
+    work.remove()

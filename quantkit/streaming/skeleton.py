@@ -1,0 +1,90 @@
+"""A model whose decoder layers hold no weights until their step: a meta-device skeleton, the tensors
+calibration needs outside the layers (embeddings, final norm, head), and one layer at a time."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from quantkit.models.adapters import ArchAdapter
+from quantkit.qtensor import QuantizationError
+from quantkit.streaming.checkpoint import SafetensorsCheckpoint
+
+log = logging.getLogger("quantkit")
+
+
+def build_skeleton(source: str, dtype: torch.dtype) -> PreTrainedModel:
+    """The model with every parameter on the meta device (buffers such as rotary tables are real), its
+    config and generation config read as from_pretrained reads them (config.json comes out the same)."""
+    config = AutoConfig.from_pretrained(source)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(source)
+    except OSError:
+        pass  # no generation_config.json: keep the one derived from the model config
+    return model.eval()
+
+
+def _set_tensor(root: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    module = root.get_submodule(owner)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[leaf] = value
+
+
+def load_outside_layers(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, adapter: ArchAdapter) -> None:
+    """Materialize the tensors outside the decoder layers (embeddings, final norm, head), then tie."""
+    dtype = next(model.parameters()).dtype
+    layer_prefix = adapter.layers + "."
+    wanted = [n for n in model.state_dict(keep_vars=True) if not n.startswith(layer_prefix)]
+    present = [n for n in wanted if n in ckpt.weight_map]
+    for name, value in ckpt.read(present).items():
+        _set_tensor(model, name, value.to(dtype) if value.is_floating_point() else value)
+    model.tie_weights()
+    still_meta = [n for n, t in model.state_dict(keep_vars=True).items()
+                  if t.is_meta and not n.startswith(layer_prefix)]
+    if still_meta:
+        raise QuantizationError(f"{ckpt.folder}: the checkpoint has no tensor {still_meta[0]!r}")
+
+
+class StreamedLayers:
+    """Loads decoder layer i from the checkpoint just before its step and frees it after.
+
+    `live` / `peak_live` count the layers holding real weights, for the memory-bound tests."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, adapter: ArchAdapter, dtype: torch.dtype) -> None:
+        self.ckpt, self.adapter, self.dtype = ckpt, adapter, dtype
+        self.live = self.peak_live = 0
+
+    def load(self, index: int, layer: nn.Module) -> None:
+        prefix = f"{self.adapter.layers}.{index}."
+        names = list(layer.state_dict(keep_vars=True))
+        tensors = self.ckpt.read([prefix + n for n in names])
+        layer.to_empty(device="cpu")
+        with torch.no_grad():
+            for name, tensor in layer.state_dict(keep_vars=True).items():
+                tensor.copy_(tensors.pop(prefix + name))  # copy_ casts as from_pretrained(dtype=...) does
+        self.live += 1
+        self.peak_live = max(self.peak_live, self.live)
+
+    def release(self, index: int, layer: nn.Module) -> None:
+        layer.to("meta")
+        self.live -= 1
+        _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Hand the freed layer back to the OS: with several threads allocating, glibc keeps freed blocks in
+    per-thread arenas, and the resident set grew by about a layer per layer without this."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass

@@ -1,0 +1,154 @@
+"""The resumable work folder beside the output: finished layers, the hidden states entering the next
+one, and a manifest naming the run they belong to.
+
+Layout of `.<output name>.quantkit-partial/`:
+  manifest.json            run key (hashes of source, settings, calibration), finished layers with their
+                           report entries and export tensor sizes; rewritten (atomically) last
+  layer-00007.safetensors  layer 7's export tensors (packed linears, its norms) in the export dtype
+  hidden-00008.safetensors the calibration hidden states entering layer 8, exactly as computed
+A layer counts as finished once the manifest says so: its files are renamed into place before the
+manifest, so a kill at any moment leaves either the previous or the next consistent state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from quantkit.data import CalibrationSet
+from quantkit.export import nbytes
+
+log = logging.getLogger("quantkit")
+
+MANIFEST = "manifest.json"
+VERSION = 1
+# Test-only (tests/test_streaming.py): at each step that writes the work folder or the export, say so
+# on stderr and sleep this many seconds, so that a seeded SIGKILL can land between any two writes.
+PAUSE_ENV = "QUANTKIT_TEST_PHASE_PAUSE"
+PAUSE_MARK = "quantkit-test-pause"
+
+
+def pause_between_phases() -> None:
+    seconds = float(os.environ.get(PAUSE_ENV, "0"))
+    if seconds:
+        print(PAUSE_MARK, file=sys.stderr, flush=True)
+        time.sleep(seconds)
+
+
+def work_dir_for(output: Path) -> Path:
+    return output.parent / f".{output.name}.quantkit-partial"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def run_key(source_fingerprint: str, settings: dict, calib: CalibrationSet) -> dict[str, str]:
+    """What must match for a resume: the source files, every setting that changes the bytes out, and
+    the calibration tokens."""
+    tokens = calib.input_ids.contiguous().numpy().tobytes() + calib.attention_mask.contiguous().numpy().tobytes()
+    return {
+        "source": source_fingerprint,
+        "settings": _sha256(json.dumps(settings, sort_keys=True, default=str).encode()),
+        "calibration": _sha256(tokens),
+    }
+
+
+def _replace_atomically(path: Path, write) -> None:
+    partial = path.with_name(path.name + ".partial")
+    write(partial)
+    os.replace(partial, path)
+
+
+class WorkDir:
+    def __init__(self, path: Path, key: dict[str, str]) -> None:
+        self.path, self.key = path, key
+        self.manifest: dict = {"version": VERSION, "key": key, "layers": [], "published": False}
+
+    def _read_manifest(self) -> dict | None:
+        try:
+            manifest = json.loads((self.path / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return None
+        return manifest if manifest.get("version") == VERSION else None
+
+    def published(self) -> bool:
+        """A run with this key already renamed its export into place (and was stopped cleaning up)."""
+        manifest = self._read_manifest()
+        return manifest is not None and manifest["key"] == self.key and manifest["published"]
+
+    def open(self, resume: bool) -> int:
+        """The number of finished layers to skip: 0 when starting over (said why), else resumed (said so)."""
+        previous = self._read_manifest() if self.path.exists() else None
+        if previous is not None and resume and previous["key"] == self.key:
+            self.manifest = previous
+            done = len(previous["layers"])
+            log.warning("resuming from %s: layers 0-%d are already quantized", self.path, done - 1)
+            return done
+        if previous is not None:
+            changed = [k for k in self.key if previous["key"].get(k) != self.key[k]]
+            why = "--no-resume" if not resume else f"the {' and '.join(changed)} changed"
+            log.warning("starting over (%s): discarding the unfinished run in %s", why, self.path)
+        elif self.path.exists():
+            log.warning("starting over: %s holds no readable manifest", self.path)
+        self.remove()
+        self.path.mkdir(parents=True)
+        self._write_manifest()
+        return 0
+
+    def _write_manifest(self) -> None:
+        _replace_atomically(self.path / MANIFEST, lambda p: p.write_text(json.dumps(self.manifest, indent=1, default=str)))
+
+    def save_layer(self, index: int, tensors: dict[str, torch.Tensor], outputs: list[torch.Tensor],
+                   entry: dict) -> None:
+        """Layer `index`'s export tensors (dict order kept in the manifest) and the hidden states it
+        produced; committed by the manifest rewrite, after which the older hidden states go."""
+        _replace_atomically(self.layer_file(index), lambda p: save_file(tensors, p))
+        pause_between_phases()
+        hidden = {f"batch.{j}": x.detach().cpu().contiguous() for j, x in enumerate(outputs)}
+        _replace_atomically(self._hidden_file(index + 1), lambda p: save_file(hidden, p))
+        pause_between_phases()
+        specs = [[k, nbytes(v), str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()]
+        self.manifest["layers"].append({"entry": entry, "tensors": specs})
+        self._write_manifest()
+        pause_between_phases()
+        self._hidden_file(index).unlink(missing_ok=True)
+
+    def layer_file(self, index: int) -> Path:
+        return self.path / f"layer-{index:05d}.safetensors"
+
+    def _hidden_file(self, index: int) -> Path:
+        return self.path / f"hidden-{index:05d}.safetensors"
+
+    def hidden_states(self, index: int) -> list[torch.Tensor]:
+        """The hidden states entering layer `index`, per calibration batch."""
+        with safe_open(self._hidden_file(index), "pt") as f:
+            return [f.get_tensor(f"batch.{j}") for j in range(len(f.keys()))]
+
+    def entries(self) -> list[dict]:
+        return [layer["entry"] for layer in self.manifest["layers"]]
+
+    def tensor_sizes(self) -> list[list[tuple[str, int]]]:
+        """Per finished layer, its export tensors' names and sizes in bytes, in the order they were packed."""
+        return [[(k, n) for k, n, _, _ in layer["tensors"]] for layer in self.manifest["layers"]]
+
+    def tensor_specs(self) -> dict[str, tuple[torch.dtype, list[int]]]:
+        return {k: (getattr(torch, dtype), shape) for layer in self.manifest["layers"]
+                for k, _, dtype, shape in layer["tensors"]}
+
+    def mark_published(self) -> None:
+        self.manifest["published"] = True
+        self._write_manifest()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)

@@ -1,0 +1,293 @@
+"""Streaming quantization (quantkit.streaming): same bytes as the in-memory path, one decoder layer in
+memory at a time, and a resume after SIGKILLs that ends in the same bytes as an uninterrupted run."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import random_calibration
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import quantkit.export
+from quantkit.config import QuantConfig
+from quantkit.engine import quantize_model
+from quantkit.export import export_checkpoint
+from quantkit.models import get_adapter
+from quantkit.qtensor import QuantizationError
+from quantkit.streaming import open_streamed_model, quantize_streaming
+from quantkit.streaming.skeleton import StreamedLayers
+from quantkit.streaming.workdir import PAUSE_ENV, PAUSE_MARK, work_dir_for
+
+CONFIGS = {
+    "rtn": QuantConfig(method="rtn", group_size=32),
+    "gptq": QuantConfig(method="gptq", group_size=32, act_order=True),
+    "awq": QuantConfig(method="awq", group_size=32, sym=False),
+    "qqq": QuantConfig(method="qqq", group_size=32, act_bits=8, smooth_steps=8),
+}
+FORMATS = {"rtn": "compressed-tensors", "gptq": "gptq", "awq": "awq", "qqq": "compressed-tensors"}
+
+
+def _checkpoint(folder: Path, layers: int = 2, vocab: int = 128, tokenizer=None, tied: bool = False) -> Path:
+    """A random Llama saved by transformers in shards of a few tens of KB (so several shards)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256,
+                         tie_word_embeddings=tied)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="40KB")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    assert (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    """Every weight file and the index, and config.json: the bytes both paths must agree on."""
+    names = [p.name for p in folder.glob("model*.safetensors*")] + ["config.json"]
+    return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in sorted(names)}
+
+
+def _in_memory(source: Path, config: QuantConfig, fmt: str, output: Path) -> Path:
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, use_safetensors=True).eval()  # load_model's call
+    quantize_model(model, get_adapter(model), random_calibration(), config, device="cpu", show_progress=False)
+    return export_checkpoint(model, None, output, config, fmt, dtype="float16")
+
+
+def _streamed(source: Path, config: QuantConfig, fmt: str, output: Path, **kwargs) -> tuple[Path, object]:
+    model, ckpt = open_streamed_model(str(source), torch.float32)
+    return quantize_streaming(model, ckpt, None, random_calibration(), config, fmt, output, dtype="float16",
+                              device="cpu", show_progress=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    return _checkpoint(tmp_path_factory.mktemp("src") / "llama")
+
+
+@pytest.mark.parametrize("method", list(CONFIGS))
+def test_streamed_export_has_the_in_memory_bytes(sharded, tmp_path, single_thread, method: str) -> None:
+    before = _digest(sharded)
+    config, fmt = CONFIGS[method], FORMATS[method]
+    expected = _digest(_in_memory(sharded, config, fmt, tmp_path / "memory"))
+    out, report = _streamed(sharded, config, fmt, tmp_path / "streamed")
+    assert _digest(out) == expected
+    assert [e["layer"] for e in report.layers] == [0, 1]
+    assert set(json.loads((out / "quantkit.json").read_text())["report"]["layers"][0]["linears"]) == set(
+        get_adapter("llama").linear_names())
+    assert not work_dir_for(out).exists()
+    assert _digest(sharded) == before  # the source is never written
+
+
+def test_several_output_shards_cut_alike(sharded, tmp_path, single_thread, monkeypatch) -> None:
+    monkeypatch.setattr(quantkit.export, "SHARD_BYTES", 50_000)
+    config = CONFIGS["gptq"]
+    expected = _digest(_in_memory(sharded, config, "gptq", tmp_path / "memory"))
+    assert "model.safetensors.index.json" in expected
+    out, _ = _streamed(sharded, config, "gptq", tmp_path / "streamed")
+    assert _digest(out) == expected
+
+
+def test_tied_embeddings_written_once_as_in_memory(tmp_path, single_thread) -> None:
+    source = _checkpoint(tmp_path / "src", tied=True)
+    expected = _digest(_in_memory(source, CONFIGS["rtn"], "gptq", tmp_path / "memory"))
+    out, _ = _streamed(source, CONFIGS["rtn"], "gptq", tmp_path / "streamed")
+    assert _digest(out) == expected
+
+
+def test_killed_after_publishing_is_finished_on_rerun(sharded, tmp_path, single_thread, monkeypatch) -> None:
+    import quantkit.streaming.run as run
+
+    def publish_then_die(folder: Path, output: Path) -> None:
+        quantkit.export.publish(folder, output)
+        raise _Crash
+
+    monkeypatch.setattr(run, "publish", publish_then_die)
+    out = tmp_path / "out"
+    with pytest.raises(_Crash):
+        _streamed(sharded, CONFIGS["rtn"], "gptq", out)
+    monkeypatch.undo()
+    expected = _digest(out)
+    assert _streamed(sharded, CONFIGS["rtn"], "gptq", out) == (out, None)
+    assert _digest(out) == expected and not work_dir_for(out).exists()
+    with pytest.raises(QuantizationError, match="already exists"):  # a finished export is not redone
+        _streamed(sharded, CONFIGS["rtn"], "gptq", out)
+
+
+class _Crash(Exception):
+    pass
+
+
+class _CountingLayers(StreamedLayers):
+    """Also counts how many layers hold real weights, seen from the module tree itself."""
+
+    def load(self, index, layer) -> None:
+        super().load(index, layer)
+        real = [m for m in get_adapter("llama").get_layers(self.model) if not next(m.parameters()).is_meta]
+        self.peak_seen = max(getattr(self, "peak_seen", 0), len(real))
+
+
+@pytest.mark.parametrize("depth", [2, 4])
+def test_one_layer_materialized_at_a_time(tmp_path, single_thread, depth: int) -> None:
+    source = _checkpoint(tmp_path / "src", layers=depth)
+    model, ckpt = open_streamed_model(str(source), torch.float32)
+    counting = _CountingLayers(ckpt, get_adapter(model), torch.float32)
+    counting.model = model
+    layers = get_adapter(model).get_layers(model)
+    assert all(next(layer.parameters()).is_meta for layer in layers)
+    _, report = quantize_streaming(model, ckpt, None, random_calibration(), CONFIGS["rtn"], "gptq",
+                                   tmp_path / "out", device="cpu", show_progress=False, layer_source=counting)
+    assert len(report.layers) == depth
+    assert counting.peak_live == 1 and counting.peak_seen == 1  # independent of depth
+    assert all(next(layer.buffers()).is_meta for layer in layers)  # each released after its step
+
+
+class _CrashAfter(StreamedLayers):
+    def __init__(self, *args, crash_at: int) -> None:
+        super().__init__(*args)
+        self.crash_at = crash_at
+
+    def load(self, index, layer) -> None:
+        if index == self.crash_at:
+            raise _Crash
+        super().load(index, layer)
+
+
+def _crash_at(source: Path, output: Path, config: QuantConfig, layer: int) -> None:
+    model, ckpt = open_streamed_model(str(source), torch.float32)
+    crashing = _CrashAfter(ckpt, get_adapter(model), torch.float32, crash_at=layer)
+    with pytest.raises(_Crash):
+        quantize_streaming(model, ckpt, None, random_calibration(), config, "gptq", output, device="cpu",
+                           show_progress=False, layer_source=crashing)
+    assert not output.exists() and work_dir_for(output).is_dir()
+
+
+def test_resume_matches_and_changed_settings_start_over(sharded, tmp_path, single_thread, caplog) -> None:
+    config = CONFIGS["gptq"]
+    expected = _digest(_streamed(sharded, config, "gptq", tmp_path / "whole")[0])
+    out = tmp_path / "out"
+    _crash_at(sharded, out, config, layer=1)
+    with caplog.at_level(logging.WARNING, logger="quantkit"):
+        _, report = _streamed(sharded, config, "gptq", out)
+    assert "resuming" in caplog.text and "layers 0-0 are already quantized" in caplog.text
+    assert _digest(out) == expected and [e["layer"] for e in report.layers] == [0, 1]
+
+    changed = tmp_path / "changed"
+    _crash_at(sharded, changed, config, layer=1)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="quantkit"):
+        _streamed(sharded, QuantConfig(method="gptq", group_size=32, act_order=False), "gptq", changed)
+    assert "starting over (the settings changed)" in caplog.text
+
+    forced = tmp_path / "forced"
+    _crash_at(sharded, forced, config, layer=1)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="quantkit"):
+        _streamed(sharded, config, "gptq", forced, resume=False)
+    assert "starting over (--no-resume)" in caplog.text
+    assert _digest(forced) == expected
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_full_or_read_only_disk_is_one_line_and_keeps_the_work(sharded, tmp_path, single_thread, monkeypatch,
+                                                              code: int) -> None:
+    import quantkit.streaming.workdir as workdir
+
+    real_save = workdir.save_file
+    calls = []
+
+    def failing_save(tensors, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) > 2:  # layer 0 and its hidden states fit; layer 1 does not
+            raise OSError(code, os.strerror(code), str(path))
+        return real_save(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(workdir, "save_file", failing_save)
+    out = tmp_path / "out"
+    with pytest.raises(QuantizationError) as err:
+        _streamed(sharded, CONFIGS["rtn"], "gptq", out)
+    message = str(err.value)
+    assert "\n" not in message and os.strerror(code) in message and "rerun the same command" in message
+    assert not out.exists() and (work_dir_for(out) / "layer-00000.safetensors").is_file()
+    monkeypatch.setattr(workdir, "save_file", real_save)
+    _streamed(sharded, CONFIGS["rtn"], "gptq", out)
+    assert out.is_dir() and not work_dir_for(out).exists()
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory, smollm2_gguf) -> Path:
+    from quantkit.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(str(smollm2_gguf))
+    return _checkpoint(tmp_path_factory.mktemp("tok") / "llama", layers=4, vocab=len(tokenizer), tokenizer=tokenizer)
+
+
+def _command(source: Path, output: Path) -> list[str]:
+    return [sys.executable, "-m", "quantkit", "quantize", str(source), "--method", "gptq", "--group-size", "32",
+            "--format", "gptq", "--nsamples", "4", "--seqlen", "32", "--device", "cpu", "--no-eval",
+            "--output", str(output)]
+
+
+def _env(pause: float) -> dict[str, str]:
+    # one thread: the same float reductions in every run; the pause makes each write phase killable
+    return {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1", PAUSE_ENV: str(pause)}
+
+
+KILLS, PAUSE = 5, 0.3
+PAUSES_PER_LAYER, PAUSES_TO_PUBLISH = 4, 2  # pre-write, after layer file, after hidden states, after manifest
+
+
+def _pauses_left(out: Path, layers: int) -> int:
+    manifest = work_dir_for(out) / "manifest.json"
+    done = len(json.loads(manifest.read_text())["layers"]) if manifest.exists() else 0
+    return PAUSES_PER_LAYER * (layers - done) + PAUSES_TO_PUBLISH
+
+
+def _kill_at_pause(proc: subprocess.Popen, pause: int, delay: float) -> str:
+    """SIGKILL `proc` `delay` seconds after its `pause`-th pause mark; returns its stderr."""
+    lines, marks = [], 0
+    for line in proc.stderr:
+        lines.append(line)
+        marks += PAUSE_MARK in line
+        if marks == pause:
+            time.sleep(delay)
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=30)
+    return "".join(lines) + proc.stderr.read()
+
+
+def test_sigkill_at_seeded_moments_then_resume_gives_the_same_bytes(with_tokenizer, tmp_path) -> None:
+    """SIGKILL a real `quantkit quantize` at seeded moments: a seeded fraction of a pause after a seeded one
+    of its write steps (mid-layer before its files, between its layer file, hidden states and manifest;
+    the last kill in the assembly or before the publishing rename); rerun the same command each time.
+    The export that finally appears has the uninterrupted run's bytes; no folder is ever at the output
+    path before that."""
+    whole = tmp_path / "whole"
+    subprocess.run(_command(with_tokenizer, whole), env=_env(0), check=True, capture_output=True, timeout=120)
+    expected = _digest(whole)
+    out, rng, logs = tmp_path / "out", random.Random(29), []
+    for kill in range(KILLS):
+        left = _pauses_left(out, layers=4)
+        # up to two layers on per kill, the last kill inside the assembly
+        pause = left - rng.randint(0, 1) if kill == KILLS - 1 else rng.randint(1, min(left, 2 * PAUSES_PER_LAYER))
+        proc = subprocess.Popen(_command(with_tokenizer, out), env=_env(PAUSE), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        logs.append(_kill_at_pause(proc, pause, rng.uniform(0, PAUSE)))
+        assert proc.returncode == -signal.SIGKILL, logs[-1]
+        assert not out.exists(), "a folder at the output path before the run finished"
+    final = subprocess.run(_command(with_tokenizer, out), env=_env(0), capture_output=True, text=True, timeout=120)
+    assert final.returncode == 0, final.stderr
+    assert _digest(out) == expected
+    assert not work_dir_for(out).exists()
+    assert "resuming" in " ".join("".join(logs).split())
