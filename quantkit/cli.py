@@ -303,7 +303,7 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
     passages = load_passages(calib)
     not_streamed = streamable_reason(model, trust_remote_code)
     if not_streamed is None:
-        _phase(f"opening {model} to stream it layer by layer")
+        _phase(f"loading {model} layer by layer (streaming)")
         lm, ckpt = open_streamed_model(model, default_dtype(work_device))
         tokenizer = load_tokenizer(model)
     else:
@@ -349,6 +349,7 @@ def _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, fmt_name: str, ou
     if evaluate:
         console.print("held-out perplexity needs the whole model in memory: skipped while streaming "
                       "(run `quantkit eval` on the export)")
+    _phase(f"quantizing layer by layer, exporting to {output}")
     out, report = quantize_streaming(lm, ckpt, tokenizer, calib_set, config, fmt_name, output, dtype=dtype,
                                      device=work_device, batch_size=batch_size, overwrite=overwrite, resume=resume)
     if report is None:

@@ -16,6 +16,7 @@ from torch import nn
 from quantkit.config import QuantConfig
 from quantkit.formats import get_format
 from quantkit.formats.base import CheckpointFormat
+from quantkit.models import get_adapter
 from quantkit.models.moe import checkpoint_name
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.outputs import check_free_space, check_output_target, staged_output
@@ -140,6 +141,21 @@ def write_shards(folder: Path, sizes: list[tuple[str, int]], spec: TensorSpec, l
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def unquantized_linears(model: nn.Module) -> list[str]:
+    """Every linear the architecture entry does not quantize, as checkpoints name it: lm_head, and MoE routers /
+    shared-expert gates, which loaders would otherwise expect packed. From the entry, not the module types: a
+    resumed streaming run never rebuilds the layers it had finished."""
+    adapter = get_adapter(model)
+    quantized = set(adapter.linear_names())
+    prefix = adapter.layers + "."
+
+    def in_a_layer(name: str) -> bool:
+        return name.startswith(prefix) and name[len(prefix):].partition(".")[2] in quantized
+
+    return [checkpoint_name(model, name) for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and not in_a_layer(name)]
+
+
 def write_metadata(folder: Path, model: nn.Module, tokenizer, config: QuantConfig, fmt_name: str,
                    torch_dtype: torch.dtype, report: dict | None) -> None:
     """config.json (with quantization_config), generation config, tokenizer and quantkit.json."""
@@ -147,11 +163,8 @@ def write_metadata(folder: Path, model: nn.Module, tokenizer, config: QuantConfi
     hf_config.pop("quantization_config", None)
     hf_config["dtype"] = hf_config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
     hf_config["use_cache"] = True
-    # every linear left in full precision: lm_head, and MoE routers / shared-expert gates, which loaders would
-    # otherwise expect packed
-    unquantized = [checkpoint_name(model, name) for name, module in model.named_modules()
-                   if isinstance(module, nn.Linear)]
-    hf_config["quantization_config"] = get_format(fmt_name).quantization_config(config, ignored_modules=unquantized)
+    hf_config["quantization_config"] = get_format(fmt_name).quantization_config(
+        config, ignored_modules=unquantized_linears(model))
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)

@@ -103,11 +103,11 @@ def test_a_full_disk_during_export_keeps_the_previous_export(tmp_path, monkeypat
     out = export.export_checkpoint(model, None, tmp_path / "q", config, "compressed-tensors")
     before = snapshot(tmp_path)
 
-    def full_disk(tensors: dict, folder: Path) -> None:
-        (folder / "model.safetensors").write_bytes(b"partial")
+    def full_disk(path: Path, *_args) -> None:
+        path.write_bytes(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(export, "_write_shards", full_disk)
+    monkeypatch.setattr(export, "write_safetensors", full_disk)
     with pytest.raises(QuantizationError, match="disk full while writing .*nothing was replaced"):
         export.export_checkpoint(model, None, out, config, "compressed-tensors", overwrite=True)
     assert snapshot(tmp_path) == before

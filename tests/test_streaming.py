@@ -21,20 +21,23 @@ from test_engine import random_calibration
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import quantkit.export
+import quantkit.outputs
 from quantkit.config import QuantConfig
 from quantkit.engine import quantize_model
 from quantkit.export import export_checkpoint
 from quantkit.models import get_adapter
 from quantkit.qtensor import QuantizationError
+from quantkit.quantizers.gptq import GPTQOptions
+from quantkit.quantizers.qqq import QQQOptions
 from quantkit.streaming import open_streamed_model, quantize_streaming
 from quantkit.streaming.skeleton import StreamedLayers
 from quantkit.streaming.workdir import PAUSE_ENV, PAUSE_MARK, work_dir_for
 
 CONFIGS = {
     "rtn": QuantConfig(method="rtn", group_size=32),
-    "gptq": QuantConfig(method="gptq", group_size=32, act_order=True),
+    "gptq": QuantConfig(method="gptq", group_size=32, options=GPTQOptions(act_order=True)),
     "awq": QuantConfig(method="awq", group_size=32, sym=False),
-    "qqq": QuantConfig(method="qqq", group_size=32, act_bits=8, smooth_steps=8),
+    "qqq": QuantConfig(method="qqq", group_size=32, act_bits=8, options=QQQOptions(smooth_steps=8)),
 }
 FORMATS = {"rtn": "compressed-tensors", "gptq": "gptq", "awq": "awq", "qqq": "compressed-tensors"}
 
@@ -109,10 +112,10 @@ def test_killed_after_publishing_is_finished_on_rerun(sharded, tmp_path, single_
     import quantkit.streaming.run as run
 
     def publish_then_die(folder: Path, output: Path) -> None:
-        quantkit.export.publish(folder, output)
+        quantkit.outputs.replace_atomically(folder, output)
         raise _Crash
 
-    monkeypatch.setattr(run, "publish", publish_then_die)
+    monkeypatch.setattr(run, "replace_atomically", publish_then_die)
     out = tmp_path / "out"
     with pytest.raises(_Crash):
         _streamed(sharded, CONFIGS["rtn"], "gptq", out)
@@ -186,7 +189,7 @@ def test_resume_matches_and_changed_settings_start_over(sharded, tmp_path, singl
     _crash_at(sharded, changed, config, layer=1)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="quantkit"):
-        _streamed(sharded, QuantConfig(method="gptq", group_size=32, act_order=False), "gptq", changed)
+        _streamed(sharded, QuantConfig(method="gptq", group_size=32, options=GPTQOptions(act_order=False)), "gptq", changed)
     assert "starting over (the settings changed)" in caplog.text
 
     forced = tmp_path / "forced"

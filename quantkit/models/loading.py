@@ -62,7 +62,7 @@ def check_model_source(source: str) -> None:
         raise QuantizationError(f"model path {source!r} does not exist (and is not a hub name like org/model)")
 
 
-def _load_failure(source: str, err: Exception) -> QuantizationError:
+def load_failure(source: str, err: Exception) -> QuantizationError:
     """One line for a model that is there but cannot be read (truncated weights, no network for a hub name)."""
     detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
     if Path(source).expanduser().exists():
@@ -106,7 +106,7 @@ def load_model(
     except QuantizationError:
         raise
     except Exception as err:  # transformers/safetensors/hub errors: the type varies, the user needs one line
-        raise _load_failure(source, err) from err
+        raise load_failure(source, err) from err
     model.eval()
     adapter = find_adapter(model.config.model_type)
     if adapter is not None:  # MoE: per-expert linears from the start, so every check sees the experts' names
@@ -158,7 +158,7 @@ def load_for_eval(
         except QuantizationError:
             raise
         except Exception as err:  # a damaged export: one line, as for any model
-            raise _load_failure(str(source), err) from err
+            raise load_failure(str(source), err) from err
     else:
         model, tokenizer = load_model(source, dtype=dtype)
     return model.to(device), tokenizer, label

@@ -32,6 +32,7 @@ from quantkit.formats import get_format
 from quantkit.formats.base import CheckpointFormat
 from quantkit.models import get_adapter
 from quantkit.models.adapters import ArchAdapter
+from quantkit.models.loading import load_failure
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.outputs import apply_umask, check_output_target, replace_atomically
 from quantkit.qtensor import QuantizationError
@@ -43,9 +44,14 @@ log = logging.getLogger("quantkit")
 
 def open_streamed_model(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, SafetensorsCheckpoint]:
     """The meta skeleton of `source` with its tensors outside the decoder layers loaded."""
-    ckpt = SafetensorsCheckpoint(source)
-    model = build_skeleton(source, dtype)
-    load_outside_layers(model, ckpt, get_adapter(model))
+    try:
+        ckpt = SafetensorsCheckpoint(source)
+        model = build_skeleton(source, dtype)
+        load_outside_layers(model, ckpt, get_adapter(model))
+    except QuantizationError:
+        raise
+    except Exception as err:  # safetensors/transformers errors on damaged files: the user needs one line
+        raise load_failure(source, err) from err
     return model, ckpt
 
 
