@@ -260,12 +260,15 @@ def quantize_model(
     config.validate()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     method = get_method(config)
-    report = QuantReport(config=config.to_dict(), calibration_tokens=calib.n_tokens)
+    report = QuantReport(config=config.to_dict(), calibration_tokens=calib.n_tokens if method.needs_calibration else 0)
     start = time.perf_counter()
     timer = _PhaseTimer(device, report.timings)
-    with timer("capture"):
-        inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
     layers = adapter.get_layers(model)
+    # No batches for a method that reads no calibration data: every per-layer forward is then empty.
+    inputs, layer_kwargs, masks = [], [[] for _ in layers], []
+    if method.needs_calibration:
+        with timer("capture"):
+            inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
     progress = Progress(TextColumn("[bold]quantizing {task.fields[method]}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("{task.fields[note]}"), disable=not show_progress)
     with progress:

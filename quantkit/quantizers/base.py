@@ -45,6 +45,9 @@ class LinearQuantizer(ABC):
 class Method(ABC):
     name: ClassVar[str]
     needs_activations: ClassVar[bool] = True
+    # False: neither smoothing nor the linears read the calibration set, so the engine runs no
+    # calibration forward pass (RTN); a False here implies needs_activations is False too.
+    needs_calibration: ClassVar[bool] = True
 
     def __init__(self, config: QuantConfig) -> None:
         self.config = config

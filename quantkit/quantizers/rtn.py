@@ -105,6 +105,7 @@ class RTNQuantizer(LinearQuantizer):
 class RTN(Method):
     name = "rtn"
     needs_activations = False
+    needs_calibration = False
 
     def linear_quantizer(self, linear: nn.Linear) -> LinearQuantizer:
         return RTNQuantizer(linear, self.config)
