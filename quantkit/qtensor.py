@@ -68,26 +68,6 @@ def check_group_size(in_features: int, group_size: int) -> int:
     return group_size
 
 
-# Scales are stored in fp16 (GPTQ, AWQ, fp16 exports) or bf16 (bf16 exports, e.g. Gemma). A value with bf16's
-# 8-bit significand in [2**-17, 65280] is exact in both: above 2**-17 its last bit stays within fp16's
-# subnormal step 2**-24, and 65280 is the largest bf16 value below fp16's maximum 65504.
-EXPORT_EXACT_SCALES = (torch.bfloat16, 2.0**-17, 65280.0)
-FP16_SCALES = (torch.float16, 2.0**-24, 65504.0)
-
-
-def round_scale(scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """The scale the checkpoint will hold (fp32 result), rounded before any code is chosen, so that the codes
-    and GPTQ's error compensation are those of the stored scale.
-
-    4-bit: the nearest value every export dtype stores exactly (bf16's precision, 2**-9 relative, moves the
-    grid's end by at most 8 * 2**-9 of a step); rounding to fp16 left bf16 exports re-rounding the scales after
-    the codes were fixed (benchmarks/ACCURACY_VS_LLMCOMPRESSOR.md). 8-bit: fp16, as bf16's precision would
-    move the grid's end by up to half a step (128 * 2**-9).
-    """
-    dtype, smallest, largest = EXPORT_EXACT_SCALES if bits <= 4 else FP16_SCALES
-    return scale.clamp(smallest, largest).to(dtype).to(torch.float32)
-
-
 def compute_qparams(
     wmin: torch.Tensor, wmax: torch.Tensor, bits: int, sym: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +88,10 @@ def compute_qparams(
         zero = None
     dead = scale == 0
     scale = torch.where(dead, torch.ones_like(scale), scale)
-    scale = round_scale(scale, bits)
+    # Tiny groups would round to a zero fp16 scale (NaN codes); huge ones overflow it.
+    scale = scale.clamp(2**-24, 65504)
+    # Round scales to fp16 now: exports store them in fp16, so error compensation must see those.
+    scale = scale.to(torch.float16).to(torch.float32)
     if zero is None:
         zero = torch.round(-wmin / scale).clamp(0, maxq)
     return scale, zero

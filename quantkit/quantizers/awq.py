@@ -16,8 +16,8 @@ Per decoder layer, before any linear is quantized (Method.smooth_layer):
    it, so the min-max RTN that follows sees exactly the searched range.
 3. Every linear is quantized by RTN, as `rtn` does.
 
-Q in both searches is that same RTN (rtn_fake_quantize, rtn_quantize's values: min-max grid containing zero, scales
-rounded by qtensor.round_scale), so the searched losses are those of the weights that are exported.
+Q in both searches is that same RTN (rtn_fake_quantize, rtn_quantize's values: min-max grid containing zero, fp16-rounded
+scales), so the searched losses are those of the weights that are exported.
 
 Follows AutoAWQ (awq/quantize/quantizer.py: _search_best_scale, _compute_best_scale,
 _search_best_clip, _compute_best_clip) and llm-compressor's AWQModifier (modifiers/awq/base.py:

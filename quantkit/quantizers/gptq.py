@@ -277,7 +277,7 @@ def gptq_quantize(
         codes = codes[:, torch.argsort(order)]
     return QuantizedWeight(
         codes=codes,
-        scales=scales.to(torch.float32),  # rounded by compute_qparams (round_scale): exact in fp32
+        scales=scales.to(torch.float32),  # fp16-rounded by compute_qparams: exact in fp32
         zeros=zeros.to(torch.uint8),
         bits=config.bits,
         group_size=config.group_size,
