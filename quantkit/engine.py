@@ -229,18 +229,21 @@ def quantize_model(
     config.validate()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     method = get_method(config)
-    report = QuantReport(config=config.to_dict(), calibration_tokens=calib.n_tokens)
+    report = QuantReport(config=config.to_dict(), calibration_tokens=calib.n_tokens if method.needs_calibration else 0)
     start = time.perf_counter()
     timer = _PhaseTimer(device, report.timings)
     adapter = adapter.for_config(model.config)  # MoE: one name per expert (get_adapter(model) did it already)
     unfuse_experts(model, adapter)
-    log.info("capturing the first layer's inputs (%d calibration samples)", len(calib))
-    with timer("capture"):
-        inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
+    layers = adapter.get_layers(model)
+    # No batches for a method that reads no calibration data: every per-layer forward is then empty.
+    inputs, layer_kwargs, masks = [], [[] for _ in layers], []
+    if method.needs_calibration:
+        log.info("capturing the first layer's inputs (%d calibration samples)", len(calib))
+        with timer("capture"):
+            inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
     if hidden_states is not None:
         inputs = _move(hidden_states, device)
     layer_source = layer_source or _ResidentLayers()
-    layers = adapter.get_layers(model)
     layers_start = time.perf_counter()
     progress = Progress(TextColumn("[bold]quantizing {task.fields[method]}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("{task.fields[note]}"), disable=not show_progress)

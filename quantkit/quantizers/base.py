@@ -58,6 +58,12 @@ class Method(ABC):
         """Per-decoder-layer transform before quantization; returns report entries."""
         return {}
 
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether the engine runs the calibration set through the layers at all: the linears read activations,
+        or the method smooths. RTN does neither, so it runs no calibration forward pass."""
+        return self.needs_activations or type(self).smooth_layer is not Method.smooth_layer
+
 
 # Filled by the built-in methods' modules, which the package's __init__ imports (Python runs it before this module)
 METHODS: dict[str, type[Method]] = {}
