@@ -1,0 +1,111 @@
+"""The grouped W4A16 MoE kernel against float64 (dequantize + per-expert matmul), under Triton's CPU interpreter."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are decorated at import
+
+import pytest
+import torch
+from quantkit.kernels.layout import pack_along_rows
+from quantkit.kernels.moe_w4a16 import (
+    StackedExperts,
+    align_tokens,
+    moe_candidates,
+    moe_w4a16_forward,
+    moe_w4a16_matmul,
+    moe_w4a16_reference,
+)
+from quantkit.kernels.spec import TileConfig
+
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+EXPERTS, TOP_K = 4, 2
+SILENT = 3  # no token is routed to this expert
+
+
+def random_experts(k: int, n: int, group: int, dtype: torch.dtype, sym: bool, seed: int = 0) -> StackedExperts:
+    gen = torch.Generator().manual_seed(seed)
+    group = k if group == -1 else group
+    codes = torch.randint(0, 16, (EXPERTS, k, n), generator=gen, dtype=torch.uint8)
+    qweight = torch.stack([pack_along_rows(c, 4) for c in codes])
+    scales = (0.005 + 0.02 * torch.rand(EXPERTS, k // group, n, generator=gen)).to(dtype)
+    zeros = None if sym else torch.randint(0, 16, (EXPERTS, k // group, n), generator=gen, dtype=torch.uint8)
+    return StackedExperts(qweight, scales, zeros, group)
+
+
+def routing(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """top-2 of experts 0..2 (expert SILENT gets none), weights in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(SILENT, generator=gen)[:TOP_K] for _ in range(tokens)])
+    return ids, torch.rand(tokens, TOP_K, generator=gen)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Every torch.empty starts as NaN (floats) or -77 (ints): an output row the kernel leaves unwritten shows."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -77)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def test_align_tokens_sorts_by_expert_and_pads() -> None:
+    ids = torch.tensor([[2, 0], [0, 1], [2, 0]])
+    aligned = align_tokens(ids, EXPERTS, 4)
+    rows = 6
+    assert aligned.sorted_rows.tolist()[:12] == [1, 2, 5, rows, 3, rows, rows, rows, 0, 4, rows, rows]
+    assert aligned.block_expert.tolist()[:3] == [0, 1, 2]
+    assert all(e == -1 for e in aligned.block_expert.tolist()[3:])
+    assert aligned.sorted_rows.numel() == aligned.block_expert.numel() * 4 >= rows + EXPERTS * 3
+
+
+@pytest.mark.usefixtures("poisoned_outputs")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [32, -1])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize(("tokens", "k", "block_m", "block_k"), [(1, 64, 16, 32), (7, 128, 16, 64), (20, 128, 32, 128)])
+def test_grouped_matmul_matches_float64(dtype, group, sym, tokens, k, block_m, block_k) -> None:
+    experts = random_experts(k, 64, group, dtype, sym)
+    ids, weights = routing(tokens)
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    aligned = align_tokens(ids, EXPERTS, block_m)
+    config = TileConfig("moe_gemm", block_m, 32, block_k, 1, 4, 2)
+    gate_up = moe_w4a16_matmul(x, experts, aligned, config)  # one input row per token, top_k output rows
+    down_x = torch.randn(tokens * TOP_K, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+    down = moe_w4a16_matmul(down_x, experts, aligned, config, weights.to(dtype))
+    for out, ref in ((gate_up, moe_w4a16_reference(x, ids, experts)),
+                     (down, moe_w4a16_reference(down_x, ids, experts, weights.to(dtype)))):
+        assert out.shape == (tokens * TOP_K, 64) and out.dtype == dtype
+        assert not out.isnan().any(), "an output row left unwritten"
+        assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_block_forward_matches_per_expert_loop(dtype) -> None:
+    """gate/up stacked along N, SiLU, down with the routing weights, summed over slots: the per-expert loop."""
+    hidden, inter, tokens = 64, 32, 9
+    gate_up = random_experts(hidden, 2 * inter, 32, dtype, sym=False, seed=3)
+    down = random_experts(inter, hidden, 32, dtype, sym=True, seed=4)
+    ids, weights = routing(tokens, seed=5)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(6)).to(dtype)
+    out = moe_w4a16_forward(x, ids, weights, gate_up, down, torch.nn.functional.silu)
+    h = moe_w4a16_reference(x, ids, gate_up)
+    a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+    ref = moe_w4a16_reference(a, ids, down, weights).view(tokens, TOP_K, hidden).sum(dim=1)
+    assert out.shape == (tokens, hidden) and out.dtype == dtype
+    assert relative_error(out, ref) < 2 * TOLERANCE[dtype]
+
+
+def test_candidates_fit_the_shape() -> None:
+    for per_expert in (0.5, 40, 300):
+        configs = moe_candidates(per_expert, 768, 2048)
+        assert configs and all(768 % c.block_k == 0 and c.split_k == 1 for c in configs)
+    assert all(c.block_n <= 64 for c in moe_candidates(1, 128, 64))
