@@ -109,3 +109,62 @@ def test_candidates_fit_the_shape() -> None:
         configs = moe_candidates(per_expert, 768, 2048)
         assert configs and all(768 % c.block_k == 0 and c.split_k == 1 for c in configs)
     assert all(c.block_n <= 64 for c in moe_candidates(1, 128, 64))
+
+
+def quantized_tiny_moe(kind: str, sym: bool, act_bits: int = 16):
+    from test_engine import random_calibration
+    from test_moe import tiny_moe
+
+    from quantkit.config import QuantConfig
+    from quantkit.engine import quantize_model
+    from quantkit.models import get_adapter
+
+    model = tiny_moe(kind)
+    config = QuantConfig(method="rtn", group_size=32, sym=sym, act_bits=act_bits)
+    quantize_model(model, get_adapter(model), random_calibration(), config, device="cpu", show_progress=False)
+    return model
+
+
+@pytest.mark.parametrize(("kind", "sym", "dtype"), [("qwen3_moe", True, torch.float16),
+                                                    ("mixtral", False, torch.bfloat16)])
+def test_quantized_moe_model_logits_through_the_grouped_kernel(monkeypatch, kind, sym, dtype) -> None:
+    """The block's grouped path (CUDA only in use; forced here on the CPU, the kernel interpreted) gives the logits
+    of its per-expert loop."""
+    from quantkit.kernels import moe_w4a16
+
+    from quantkit.models.moe import UnfusedMoe
+
+    model = quantized_tiny_moe(kind, sym).to(dtype)
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    calls = []
+    monkeypatch.setattr(moe_w4a16, "moe_w4a16_forward",
+                        lambda *args, real=moe_w4a16.moe_w4a16_forward: calls.append(1) or real(*args))
+    with torch.no_grad():
+        loop = model(ids).logits.double()
+        assert not calls  # on the CPU the block keeps its loop
+        monkeypatch.setattr(UnfusedMoe, "_wants_grouped", lambda self, x: True)
+        grouped = model(ids).logits.double()
+    assert len(calls) == len(model.model.layers)  # every block went through the kernel
+    block = model.model.layers[0].mlp
+    assert block.grouped_experts() is block.grouped_experts()  # stacked once, then reused
+    assert relative_error(grouped, loop) < TOLERANCE[dtype]
+
+
+def test_grouped_path_refuses_w4a8_experts() -> None:
+    model = quantized_tiny_moe("mixtral", sym=True, act_bits=8).to(torch.float16)
+    assert model.model.layers[0].mlp.grouped_experts() is None
+
+
+def test_stacking_follows_the_expert_order() -> None:
+    """gate_up's expert e holds expert e's gate then up projection, bit for bit; down likewise."""
+    from quantkit.models.moe import _stack
+
+    model = quantized_tiny_moe("qwen3_moe", sym=False).to(torch.float16)
+    experts = model.model.layers[0].mlp.experts
+    gate_up = _stack([[expert.gate_proj, expert.up_proj] for expert in experts])
+    inter = experts[0].gate_proj.out_features
+    for e, expert in enumerate(experts):
+        for half, linear in ((slice(0, inter), expert.gate_proj), (slice(inter, None), expert.up_proj)):
+            assert torch.equal(gate_up.qweight[e][:, half], linear.qweight)
+            assert torch.equal(gate_up.scales[e][:, half], linear.scales)
+            assert torch.equal(gate_up.zeros[e][:, half], linear.zeros)
