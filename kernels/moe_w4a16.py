@@ -87,7 +87,8 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
     flat = topk_ids.reshape(-1).to(torch.int64)
     rows = flat.numel()
     capacity = triton.cdiv(rows + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount on CUDA reads the largest id back to the host (a sync, no graph capture)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     run_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
