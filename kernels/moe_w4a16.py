@@ -83,10 +83,11 @@ def default_config(rows_per_expert: float, k: int, n: int) -> TileConfig:
 
 def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedTokens:
     """Sort the (token, slot) rows of topk_ids [tokens, top_k] by expert, each expert's run padded to block_m.
-    All on the device with shapes known in advance (capacity rows * top_k + E * (block_m - 1), rounded up)."""
+    All on the device, shapes known in advance (capacity: rows + min(rows, E) * (block_m - 1), rounded up)."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     rows = flat.numel()
-    capacity = triton.cdiv(rows + num_experts * (block_m - 1), block_m) * block_m
+    # At most min(rows, E) experts have rows, each padding fewer than block_m: a decode step's grid stays small.
+    capacity = triton.cdiv(rows + min(rows, num_experts) * (block_m - 1), block_m) * block_m
     # scatter_add, not bincount: bincount on CUDA reads the largest id back to the host (a sync, no graph capture)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
