@@ -117,7 +117,7 @@ def _dequant_codes(words, s, z, DTYPE: tl.constexpr):
 def _moe_w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, route_w_ptr, out_ptr, sorted_rows_ptr, block_expert_ptr,
                       N, K, rows, X_ROW_DIV: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       MUL_ROUTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                      BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     grid_n = tl.cdiv(N, BLOCK_N)
     # The N slices of one M block are neighbours in launch order: the block's x rows stay in L2.
@@ -143,10 +143,9 @@ def _moe_w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, route_w_ptr, out_ptr, sorted_
                         mask=n_mask[None, :], other=0)
         s, z = group_rows(s_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
         w = _dequant_codes(words, s, z, x_ptr.dtype.element_ty)
-        if UPCAST_DOT:
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+        if UPCAST_DOT:  # a static branch: the operands' dtype may change
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if MUL_ROUTED:
         acc *= tl.load(route_w_ptr + offs_row, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + offs_row[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -162,6 +161,7 @@ def moe_w4a16_matmul(x: torch.Tensor, experts: StackedExperts, aligned: AlignedT
         raise ValueError(f"config BLOCK_M {config.block_m} != the tokens' alignment {aligned.block_m}")
     _, k, n = experts.shape
     out = torch.empty(aligned.rows, n, dtype=x.dtype, device=x.device)
+    upcast = x.dtype == torch.bfloat16 and interpreting()  # the interpreter's bf16 tl.dot is wrong: fp32 there
     grid = (aligned.block_expert.numel() * triton.cdiv(n, config.block_n),)
     _moe_w4a16_kernel[grid](
         x, experts.qweight, experts.scales, experts.zeros if experts.zeros is not None else experts.scales,
@@ -169,9 +169,8 @@ def moe_w4a16_matmul(x: torch.Tensor, experts: StackedExperts, aligned: AlignedT
         aligned.block_expert, n, k, aligned.rows, X_ROW_DIV=aligned.rows // x.shape[0], GROUP=experts.group_size,
         HAS_ZEROS=experts.zeros is not None, MUL_ROUTED=routing_weights is not None, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        # Triton's CPU interpreter gets bf16 tl.dot wrong: there, and only there, multiply in fp32.
-        UPCAST_DOT=x.dtype == torch.bfloat16 and interpreting(), num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        UPCAST_DOT=upcast, DOT_PRECISION="ieee" if upcast else "tf32",  # tf32: the default, moot for 16-bit x
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 

@@ -18,8 +18,8 @@ from quantkit.kernels.moe_w4a16 import (
     moe_w4a16_reference,
 )
 from quantkit.kernels.spec import TileConfig
+from test_kernels_w4a16 import TOLERANCE, poisoned_outputs, relative_error  # noqa: F401  (poisoned_outputs: a fixture)
 
-TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 EXPERTS, TOP_K = 4, 2
 SILENT = 3  # no token is routed to this expert
 
@@ -39,22 +39,6 @@ def routing(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(SILENT, generator=gen)[:TOP_K] for _ in range(tokens)])
     return ids, torch.rand(tokens, TOP_K, generator=gen)
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-@pytest.fixture
-def poisoned_outputs(monkeypatch):
-    """Every torch.empty starts as NaN (floats) or -77 (ints): an output row the kernel leaves unwritten shows."""
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan") if t.is_floating_point() else -77)
-
-    monkeypatch.setattr(torch, "empty", poisoned)
 
 
 def test_align_tokens_sorts_by_expert_and_pads() -> None:
