@@ -18,7 +18,12 @@ from quantkit.kernels.moe_w4a16 import (
     moe_w4a16_reference,
 )
 from quantkit.kernels.spec import TileConfig
-from test_kernels_w4a16 import TOLERANCE, poisoned_outputs, relative_error  # noqa: F401  (poisoned_outputs: a fixture)
+from test_kernels_w4a16 import (  # noqa: F401  (poisoned_outputs: a fixture)
+    TOLERANCE,
+    compile_for_sm90,
+    poisoned_outputs,
+    relative_error,
+)
 
 EXPERTS, TOP_K = 4, 2
 SILENT = 3  # no token is routed to this expert
@@ -152,3 +157,33 @@ def test_stacking_follows_the_expert_order() -> None:
             assert torch.equal(gate_up.qweight[e][:, half], linear.qweight)
             assert torch.equal(gate_up.scales[e][:, half], linear.scales)
             assert torch.equal(gate_up.zeros[e][:, half], linear.zeros)
+
+
+MOE_COMPILE = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from quantkit.kernels.moe_w4a16 import MOE_TILES, _moe_w4a16_kernel
+
+tiles = sorted({tile for group in MOE_TILES.values() for tile in group})
+builds = [("fp16", False, True, tile) for tile in tiles] + [("bf16", True, False, tiles[0])]
+for dtype, zeros, routed, (bm, bn, bk, warps, stages) in builds:
+    sig = {"x_ptr": "*" + dtype, "qw_ptr": "*i32", "s_ptr": "*" + dtype, "z_ptr": "*u8", "route_w_ptr": "*fp32",
+           "out_ptr": "*" + dtype, "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32", "N": "i32", "K": "i32",
+           "rows": "i32", "X_ROW_DIV": "constexpr", "GROUP": "constexpr", "HAS_ZEROS": "constexpr",
+           "MUL_ROUTED": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+           "UPCAST_DOT": "constexpr", "DOT_PRECISION": "constexpr"}
+    consts = {"X_ROW_DIV": 1 if routed else 8, "GROUP": 128, "HAS_ZEROS": zeros, "MUL_ROUTED": routed,
+              "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False, "DOT_PRECISION": "tf32"}
+    kernel = compile(ASTSource(fn=_moe_w4a16_kernel, signature=sig, constexprs=consts),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    ptx = kernel.asm["ptx"]
+    assert ("mma.sync" in ptx or "wgmma" in ptx) and kernel.asm["cubin"], (dtype, bm, bn, bk)
+print("compiled")
+"""
+
+
+def test_every_candidate_tile_compiles_for_sm90_on_tensor_cores() -> None:
+    """The interpreter runs none of the compiled path (the early exit of an empty block, the static upcast branch,
+    the int64 expert offsets): compile every candidate tile (fp16, routed) and a bf16 one with zero points for sm_90
+    with Triton's bundled ptxas."""
+    compile_for_sm90(MOE_COMPILE)
