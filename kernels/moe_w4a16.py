@@ -127,7 +127,7 @@ def _moe_w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, route_w_ptr, out_ptr, sorted_
         return
     offs_row = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_mask = offs_row < rows
-    x_rows = offs_row // X_ROW_DIV
+    x_rows = (offs_row // X_ROW_DIV).to(tl.int64)  # a prefill's rows * N passes 2**31 on Mixtral's gate/up
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     ROWS: tl.constexpr = BLOCK_K // 8
@@ -148,7 +148,7 @@ def _moe_w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, route_w_ptr, out_ptr, sorted_
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if MUL_ROUTED:
         acc *= tl.load(route_w_ptr + offs_row, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + offs_row[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + offs_row.to(tl.int64)[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & n_mask[None, :])
 
 
@@ -182,6 +182,8 @@ def moe_w4a16_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     projections along N (gate first). configs: (gate_up's, down's), the same BLOCK_M; default by rows per expert."""
     tokens, top_k = topk_ids.shape
     num_experts, hidden, _ = gate_up.shape
+    if tokens == 0:
+        return x.new_empty(0, hidden)
     if configs is None:
         per_expert = tokens * top_k / num_experts
         configs = (default_config(per_expert, hidden, gate_up.shape[2]),
