@@ -191,11 +191,13 @@ def no_host_sync() -> Iterator[None]:
             torch.cuda.set_sync_debug_mode("default")
 
 
-def grouped_configs(shape: MoeShape, tokens: int) -> list[tuple[TileConfig, TileConfig]]:
-    """(gate/up, down) configs to try: the candidates for this many rows per expert whose BLOCK_K divides both K."""
+def grouped_configs(shape: MoeShape, tokens: int, group: int) -> list[tuple[TileConfig, TileConfig]]:
+    """(gate/up, down) configs to try: gate/up's candidates for this many rows per expert that fit down too."""
     per_expert = tokens * shape.top_k / shape.experts
+    fits_down = moe_candidates(per_expert, shape.inter, shape.hidden, group)
     return [(c, replace(c, block_n=min(c.block_n, shape.hidden)))
-            for c in moe_candidates(per_expert, shape.hidden, 2 * shape.inter) if shape.inter % c.block_k == 0]
+            for c in moe_candidates(per_expert, shape.hidden, 2 * shape.inter, group)
+            if replace(c, block_n=min(c.block_n, shape.hidden)) in fits_down]
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -216,7 +218,7 @@ def bench_cell(name: str, shape: MoeShape, tokens: int, layer: Layer, device: st
             row["times_us"][method] = 1e6 * timer([calls[method] for calls in per_input])
         except Exception as error:  # noqa: BLE001 (an optional baseline that this torch / GPU lacks)
             row["errors"][method] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-    for configs in grouped_configs(shape, tokens):
+    for configs in grouped_configs(shape, tokens, layer.gate_up.group_size):
         key = json.dumps(configs[0].as_dict()).replace('"', "")
 
         def grouped(args, configs=configs):

@@ -34,7 +34,8 @@ MOE_KERNEL = "moe_gemm"
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by the largest average rows per expert they serve: decode-sized runs
 # want short M tiles (a padded row costs as much as a real one), prefill-sized ones the tensor cores' wide tiles.
 MOE_TILES = {
-    16: ((16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 64, 4, 4), (16, 128, 64, 4, 4)),
+    # BLOCK_N 32: decode on a long-K projection (Mixtral's down: K 14336, 2 experts) has few N tiles to spread
+    16: ((16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 64, 4, 4), (16, 32, 128, 4, 4)),
     64: ((32, 64, 128, 4, 4), (32, 128, 64, 4, 4), (64, 64, 64, 4, 4), (16, 128, 128, 4, 3)),
     1 << 30: ((64, 128, 64, 4, 4), (64, 64, 128, 4, 3), (128, 128, 64, 8, 3), (32, 128, 64, 4, 4)),
 }
@@ -68,16 +69,25 @@ class AlignedTokens:
     rows: int  # tokens * top_k
 
 
-def moe_candidates(rows_per_expert: float, k: int, n: int) -> list[TileConfig]:
-    """The launch configs worth timing at this many routed rows per expert (BLOCK_K dividing K, BLOCK_N <= N)."""
+LEAST_BLOCK_K = 32  # the fallback tile's K: the kernel has no K mask, so K and the group must be multiples of it
+
+
+def supports(k: int, group: int) -> bool:
+    """Whether a projection of K inputs quantized in groups of `group` (K when per channel) has a tile here."""
+    return k % LEAST_BLOCK_K == 0 and group % LEAST_BLOCK_K == 0
+
+
+def moe_candidates(rows_per_expert: float, k: int, n: int, group: int) -> list[TileConfig]:
+    """The launch configs worth timing at this many routed rows per expert: BLOCK_K dividing K, and a K tile within
+    one group or a whole number of groups (group_rows' two cases); BLOCK_N <= N."""
     tiles = MOE_TILES[next(bound for bound in MOE_TILES if rows_per_expert <= bound)]
     return [TileConfig(MOE_KERNEL, bm, min(bn, triton.next_power_of_2(n)), bk, 1, warps, stages)
-            for bm, bn, bk, warps, stages in tiles if k % bk == 0]
+            for bm, bn, bk, warps, stages in tiles if k % bk == 0 and (group % bk == 0 or bk % group == 0)]
 
 
-def default_config(rows_per_expert: float, k: int, n: int) -> TileConfig:
-    """The first candidate: the config used when nothing was tuned."""
-    configs = moe_candidates(rows_per_expert, k, n) or [TileConfig(MOE_KERNEL, 16, 64, 32, 1, 4, 2)]
+def default_config(rows_per_expert: float, k: int, n: int, group: int) -> TileConfig:
+    """The first candidate (the fallback tile where none fits): the config used when nothing was tuned."""
+    configs = moe_candidates(rows_per_expert, k, n, group) or [TileConfig(MOE_KERNEL, 16, 64, LEAST_BLOCK_K, 1, 4, 2)]
     return configs[0]
 
 
@@ -179,15 +189,16 @@ def moe_w4a16_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
                       configs: tuple[TileConfig, TileConfig] | None = None) -> torch.Tensor:
     """An MoE block's experts on x [tokens, hidden]: down(act(gate(x)) * up(x)) of each routed expert times its
     routing weight, summed over the top_k slots -> [tokens, hidden]. gate_up stacks each expert's gate and up
-    projections along N (gate first). configs: (gate_up's, down's), the same BLOCK_M; default by rows per expert."""
+    projections along N (gate first); both K and groups must pass `supports`. configs: (gate_up's, down's), the
+    same BLOCK_M; default by rows per expert."""
     tokens, top_k = topk_ids.shape
     num_experts, hidden, _ = gate_up.shape
     if tokens == 0:
         return x.new_empty(0, hidden)
     if configs is None:
         per_expert = tokens * top_k / num_experts
-        configs = (default_config(per_expert, hidden, gate_up.shape[2]),
-                   default_config(per_expert, down.shape[1], hidden))
+        configs = (default_config(per_expert, hidden, gate_up.shape[2], gate_up.group_size),
+                   default_config(per_expert, down.shape[1], hidden, down.group_size))
         configs = (configs[0], replace(configs[1], block_m=configs[0].block_m))  # one alignment serves both
     aligned = align_tokens(topk_ids, num_experts, configs[0].block_m)
     h = moe_w4a16_matmul(x.contiguous(), gate_up, aligned, configs[0])

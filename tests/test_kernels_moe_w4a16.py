@@ -16,6 +16,7 @@ from quantkit.kernels.moe_w4a16 import (
     moe_w4a16_forward,
     moe_w4a16_matmul,
     moe_w4a16_reference,
+    supports,
 )
 from quantkit.kernels.spec import TileConfig
 from test_kernels_w4a16 import (  # noqa: F401  (poisoned_outputs: a fixture)
@@ -95,9 +96,13 @@ def test_block_forward_matches_per_expert_loop(dtype) -> None:
 
 def test_candidates_fit_the_shape() -> None:
     for per_expert in (0.5, 40, 300):
-        configs = moe_candidates(per_expert, 768, 2048)
-        assert configs and all(768 % c.block_k == 0 and c.split_k == 1 for c in configs)
-    assert all(c.block_n <= 64 for c in moe_candidates(1, 128, 64))
+        for group in (32, 128, 768):
+            configs = moe_candidates(per_expert, 768, 2048, group)
+            assert configs and all(768 % c.block_k == 0 and c.split_k == 1 for c in configs)
+            assert all(group % c.block_k == 0 or c.block_k % group == 0 for c in configs)
+    assert all(c.block_n <= 64 for c in moe_candidates(1, 128, 64, 128))
+    assert [c.block_k for c in moe_candidates(1, 320, 64, 160)] == []  # a K tile would straddle two groups
+    assert supports(320, 160) and not supports(80, 16) and not supports(96, 48)
 
 
 def quantized_tiny_moe(kind: str, sym: bool, act_bits: int = 16):

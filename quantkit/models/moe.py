@@ -167,14 +167,17 @@ def _stack(linears: list[list[QuantLinear]]) -> StackedExperts:
 
 def _grouped_forward(experts: nn.ModuleList) -> Callable | None:
     """The grouped kernel's forward over these experts, or None (logged) where they are not all W4A16 of one
-    scheme with one activation function."""
+    scheme (and shapes the kernel tiles) with one activation function."""
+    from quantkit.kernels.moe_w4a16 import moe_w4a16_forward, supports
+
     projections = [[expert.gate_proj, expert.up_proj, expert.down_proj] for expert in experts]
     schemes = {tuple(_w4a16_scheme(linear) for linear in triple) for triple in projections}
     acts = {type(expert.act_fn) for expert in experts}
-    if len(schemes) != 1 or None in next(iter(schemes)) or len(acts) != 1:
-        log.info("MoE block: experts not all W4A16 of one scheme; the per-expert loop runs")
+    scheme = next(iter(schemes))
+    if (len(schemes) != 1 or None in scheme or len(acts) != 1
+            or not all(supports(k, group) for group, k, _, _ in scheme)):
+        log.info("MoE block: experts not all W4A16 of one scheme the grouped kernel tiles; the per-expert loop runs")
         return None
-    from quantkit.kernels.moe_w4a16 import moe_w4a16_forward
 
     gate_up, down = _stack([triple[:2] for triple in projections]), _stack([triple[2:] for triple in projections])
     act = experts[0].act_fn
