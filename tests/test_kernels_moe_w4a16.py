@@ -192,3 +192,23 @@ def test_every_candidate_tile_compiles_for_sm90_on_tensor_cores() -> None:
     the int64 expert offsets): compile every candidate tile (fp16, routed) and a bf16 one with zero points for sm_90
     with Triton's bundled ptxas."""
     compile_for_sm90(MOE_COMPILE)
+
+
+def test_bench_moe_tiny_runs_on_the_cpu(tmp_path) -> None:
+    """benchmarks/bench_moe.py --tiny: every method's output checked against fp32 and the grouped kernel timed."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "benchmarks"), "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "-P", str(root / "benchmarks" / "bench_moe.py"), "--tiny", "--out",
+                          str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert [r["tokens"] for r in rows] == [1, 5]
+    for r in rows:
+        assert {"grouped", "dequant_loop", "fp16_loop"} <= set(r["times_us"])
+        assert all(e < 1e-2 for m, e in r["errors"].items() if m in ("grouped", "dequant_loop", "fp16_loop"))
+    assert "| tiny | 5 |" in (tmp_path / "results.md").read_text()
