@@ -144,9 +144,18 @@ def test_quantized_moe_model_logits_through_the_grouped_kernel(monkeypatch, kind
     assert relative_error(grouped, loop) < TOLERANCE[dtype]
 
 
-def test_grouped_path_refuses_w4a8_experts() -> None:
+def test_grouped_path_refuses_w4a8_experts_and_waits_for_quantization() -> None:
     model = quantized_tiny_moe("mixtral", sym=True, act_bits=8).to(torch.float16)
     assert model.model.layers[0].mlp.grouped_experts() is None
+    from test_moe import tiny_moe
+
+    from quantkit.models import get_adapter
+    from quantkit.models.moe import unfuse_experts
+
+    plain = tiny_moe("mixtral", torch.float16)
+    unfuse_experts(plain, get_adapter(plain))
+    block = plain.model.layers[0].mlp
+    assert block.grouped_experts() is None and block._grouped is None  # decided again once quantized
 
 
 def test_stacking_follows_the_expert_order() -> None:

@@ -133,6 +133,8 @@ class UnfusedMoe(nn.Module):
         scheme. The experts' packed tensors are stacked once, on the first call, into a second copy (a quarter of
         the fp16 experts' bytes); moving the block (.to) or calling release_grouped() drops it."""
         if self._grouped is None:
+            if not isinstance(self.experts[0].gate_proj, QuantLinear):
+                return None  # not quantized (yet): decided once it is
             self._grouped = _grouped_forward(self.experts) or False
         return self._grouped or None
 
