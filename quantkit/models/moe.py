@@ -21,19 +21,24 @@ recorded as fallbacks in the report.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from quantkit.models.adapters import ArchAdapter, MoeExperts, find_adapter
+from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.base import LinearQuantizer, Method
 from quantkit.quantizers.gptq import GPTQOptions
+
+if TYPE_CHECKING:
+    from quantkit.kernels.moe_w4a16 import StackedExperts
 
 log = logging.getLogger("quantkit")
 
@@ -72,6 +77,7 @@ class UnfusedMoe(nn.Module):
         self.all_tokens = False  # calibration: every expert's statistics from every real token
         self._calibration: weakref.ref[_MaskSource] | None = None
         self.token_counts: torch.Tensor | None = None  # routed real tokens per expert, while counting
+        self._grouped: Callable | bool | None = None  # grouped_experts(): built on first use, False: not eligible
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routing weights (fp32, or x's dtype) and expert indices, [tokens, top_k] each."""
@@ -89,6 +95,13 @@ class UnfusedMoe(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         weights, index = self.route(x)
+        grouped = self.grouped_experts() if self._wants_grouped(x) else None
+        out = grouped(x, index, weights) if grouped is not None else self._expert_loop(x, weights, index)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(hidden_states.shape)
+
+    def _expert_loop(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         real = self._real_rows()
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
@@ -105,9 +118,76 @@ class UnfusedMoe(nn.Module):
             else:  # run even without tokens: calibration hooks then see that expert's empty input
                 y = expert(x[rows])
             out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
-        if hasattr(self, "shared_expert"):
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.reshape(hidden_states.shape)
+        return out
+
+    def _wants_grouped(self, x: torch.Tensor) -> bool:
+        """The grouped kernel serves inference on CUDA only: calibration needs the loop (its hooks see each expert's
+        tokens), and on the CPU Triton has only its interpreter. QUANTKIT_KERNELS=0 keeps the loop, as for linears."""
+        calibrating = self._calibration is not None and self._calibration() is not None
+        return (x.is_cuda and not calibrating and self.token_counts is None
+                and os.environ.get("QUANTKIT_KERNELS", "1") != "0")
+
+    def grouped_experts(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """experts(x, topk_ids, topk_weights) through quantkit.kernels.moe_w4a16 (one launch per projection for
+        every expert), or None (then the per-expert loop) unless every expert is a W4A16 QuantLinear triple of one
+        scheme. The experts' packed tensors are stacked once, on the first call, into a second copy (a quarter of
+        the fp16 experts' bytes); moving the block (.to) or calling release_grouped() drops it."""
+        if self._grouped is None:
+            if not isinstance(self.experts[0].gate_proj, QuantLinear):
+                return None  # not quantized (yet): decided once it is
+            self._grouped = _grouped_forward(self.experts) or False
+        return self._grouped or None
+
+    def release_grouped(self) -> None:
+        """Drop the stacked copy (call after editing the experts' packed buffers in place)."""
+        self._grouped = None
+
+    def _apply(self, fn, recurse: bool = True):
+        self._grouped = None  # the stacked copy holds the old device's / dtype's tensors
+        return super()._apply(fn, recurse)
+
+
+def _w4a16_scheme(linear: nn.Module) -> tuple | None:
+    """What the grouped kernel needs equal across experts, or None where a linear is not fp16/bf16 W4A16 without bias."""
+    if (not isinstance(linear, QuantLinear) or linear.bits != 4 or linear.act_bits != 16 or linear.bias is not None
+            or linear.scales.dtype not in (torch.float16, torch.bfloat16)):  # fp32 would run tl.dot in tf32
+        return None
+    return linear.group_size, linear.in_features, linear.out_features, linear.scales.dtype
+
+
+def _stack(linears: list[list[QuantLinear]]) -> StackedExperts:
+    """Each expert's projections concatenated along N, the experts stacked; zeros None when all are 8 (symmetric)."""
+    from quantkit.kernels.moe_w4a16 import StackedExperts
+
+    def stacked(tensor: Callable[[QuantLinear], torch.Tensor]) -> torch.Tensor:
+        return torch.stack([torch.cat([tensor(linear) for linear in projections], dim=1) for projections in linears])
+
+    zeros = stacked(lambda linear: linear.zeros)
+    return StackedExperts(stacked(lambda linear: linear.plain_qweight()), stacked(lambda linear: linear.scales),
+                          None if bool((zeros == 8).all()) else zeros, linears[0][0].group_size)
+
+
+def _grouped_forward(experts: nn.ModuleList) -> Callable | None:
+    """The grouped kernel's forward over these experts, or None (logged) where they are not all W4A16 of one
+    scheme (and shapes the kernel tiles) with one activation function."""
+    from quantkit.kernels.moe_w4a16 import moe_w4a16_forward, supports
+
+    projections = [[expert.gate_proj, expert.up_proj, expert.down_proj] for expert in experts]
+    schemes = {tuple(_w4a16_scheme(linear) for linear in triple) for triple in projections}
+    acts = {type(expert.act_fn) for expert in experts}
+    scheme = next(iter(schemes))
+    if (len(schemes) != 1 or None in scheme or len(acts) != 1
+            or not all(supports(k, group) for group, k, _, _ in scheme)):
+        log.info("MoE block: experts not all W4A16 of one scheme the grouped kernel tiles; the per-expert loop runs")
+        return None
+
+    gate_up, down = _stack([triple[:2] for triple in projections]), _stack([triple[2:] for triple in projections])
+    act = experts[0].act_fn
+
+    def forward(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return moe_w4a16_forward(x, index, weights.to(torch.float32), gate_up, down, act)
+
+    return forward
 
 
 def _unfuse_block(block: nn.Module, spec: MoeExperts) -> UnfusedMoe:
