@@ -32,9 +32,9 @@ from quantkit.streaming.workdir import PAUSE_ENV, PAUSE_MARK, work_dir_for
 
 CONFIGS = {
     "rtn": QuantConfig(method="rtn", group_size=32),
-    "gptq": QuantConfig(method="gptq", group_size=32, act_order=True),
+    "gptq": QuantConfig.from_dict({"method": "gptq", "group_size": 32, "act_order": True}),
     "awq": QuantConfig(method="awq", group_size=32, sym=False),
-    "qqq": QuantConfig(method="qqq", group_size=32, act_bits=8, smooth_steps=8),
+    "qqq": QuantConfig.from_dict({"method": "qqq", "group_size": 32, "act_bits": 8, "smooth_steps": 8}),
 }
 FORMATS = {"rtn": "compressed-tensors", "gptq": "gptq", "awq": "awq", "qqq": "compressed-tensors"}
 
@@ -186,7 +186,7 @@ def test_resume_matches_and_changed_settings_start_over(sharded, tmp_path, singl
     _crash_at(sharded, changed, config, layer=1)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="quantkit"):
-        _streamed(sharded, QuantConfig(method="gptq", group_size=32, act_order=False), "gptq", changed)
+        _streamed(sharded, QuantConfig.from_dict({"method": "gptq", "group_size": 32, "act_order": False}), "gptq", changed)
     assert "starting over (the settings changed)" in caplog.text
 
     forced = tmp_path / "forced"
