@@ -9,12 +9,12 @@ the next: every layer's states have the same shapes, so a run allocates its pinn
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import psutil
 import torch
 from torch import nn
 
@@ -41,7 +41,15 @@ def layer_bytes(layers: Iterable[nn.Module]) -> int:
 
 
 def host_available() -> int:
-    return psutil.virtual_memory().available
+    """MemAvailable (free plus reclaimable page cache) on Linux; free pages elsewhere."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def device_available(device: torch.device) -> int:
