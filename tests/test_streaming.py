@@ -21,6 +21,7 @@ from test_engine import random_calibration
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import quantkit.export
+import quantkit.outputs
 from quantkit.config import QuantConfig
 from quantkit.engine import quantize_model
 from quantkit.export import export_checkpoint
@@ -109,10 +110,10 @@ def test_killed_after_publishing_is_finished_on_rerun(sharded, tmp_path, single_
     import quantkit.streaming.run as run
 
     def publish_then_die(folder: Path, output: Path) -> None:
-        quantkit.export.publish(folder, output)
+        quantkit.outputs.replace_atomically(folder, output)
         raise _Crash
 
-    monkeypatch.setattr(run, "publish", publish_then_die)
+    monkeypatch.setattr(run, "replace_atomically", publish_then_die)
     out = tmp_path / "out"
     with pytest.raises(_Crash):
         _streamed(sharded, CONFIGS["rtn"], "gptq", out)
