@@ -163,6 +163,9 @@ def quantize(
         "still follows the routing); default: each expert's routed tokens, too few handled by the documented "
         "fallback")] = False,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="continue an interrupted streaming run of the same command")] = True,
+    offload_dir: Annotated[Path | None, typer.Option(
+        "--offload-dir", help="keep the calibration hidden states in memory-mapped files here when neither the "
+        "work device nor host memory holds them")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="show the full trace of an error (or QUANTKIT_DEBUG=1)")] = False,
     **method_options: Any,  # every registered method's options, as quantize_signature declares them
@@ -268,7 +271,7 @@ quantize.__signature__ = quantize_signature()  # type: ignore[attr-defined]
 
 def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, nsamples, seqlen, seed, chat_template,
               output, overwrite, dtype, device, batch_size, evaluate, eval_windows, trust_remote_code, allow_pickle,
-              verbose, moe_all_tokens, resume, **method_options) -> None:
+              verbose, moe_all_tokens, resume, offload_dir, **method_options) -> None:
     from quantkit.config import QuantConfig
     from quantkit.data import build_calibration_set, load_passages
     from quantkit.engine import quantize_model
@@ -298,7 +301,7 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
     scheme(128 if group_size == "auto" else parse_group_size(group_size))  # the scheme, before any loading
     check_quantize_request(source=model, calib=calib, output=output, overwrite=overwrite, nsamples=nsamples,
                            seqlen=seqlen, batch_size=batch_size, eval_windows=eval_windows if evaluate else None,
-                           dtype=dtype, bits=bits)
+                           dtype=dtype, bits=bits, offload_dir=offload_dir)
     _phase("reading the calibration text")
     passages = load_passages(calib)
     not_streamed = streamable_reason(model, trust_remote_code)
@@ -318,12 +321,13 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
     calib_set = build_calibration_set(tokenizer, passages, nsamples, seqlen, seed, chat_template)
     if not_streamed is None:
         _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, format, output, dtype, work_device,
-                           batch_size, overwrite, resume, evaluate)
+                           batch_size, overwrite, resume, evaluate, offload_dir)
         return
     if evaluate:
         _phase("held-out perplexity of the original model")
     before = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
-    report = quantize_model(lm.cpu(), adapter, calib_set, config, device=work_device, batch_size=batch_size)
+    report = quantize_model(lm.cpu(), adapter, calib_set, config, device=work_device, batch_size=batch_size,
+                            offload_dir=offload_dir)
     if evaluate:
         _phase("held-out perplexity of the quantized model")
     after = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
@@ -343,7 +347,8 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
 
 
 def _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, fmt_name: str, output: Path, dtype: str,
-                       work_device: str, batch_size: int, overwrite: bool, resume: bool, evaluate: bool) -> None:
+                       work_device: str, batch_size: int, overwrite: bool, resume: bool, evaluate: bool,
+                       offload_dir: Path | None) -> None:
     from quantkit.streaming import quantize_streaming
 
     if evaluate:
@@ -351,7 +356,8 @@ def _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, fmt_name: str, ou
                       "(run `quantkit eval` on the export)")
     _phase(f"quantizing layer by layer, exporting to {output}")
     out, report = quantize_streaming(lm, ckpt, tokenizer, calib_set, config, fmt_name, output, dtype=dtype,
-                                     device=work_device, batch_size=batch_size, overwrite=overwrite, resume=resume)
+                                     device=work_device, batch_size=batch_size, overwrite=overwrite, resume=resume,
+                                     offload_dir=offload_dir)
     if report is None:
         console.print(f"the export of this command was already complete -> [bold]{out}[/]")
         return

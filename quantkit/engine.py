@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -218,6 +219,7 @@ def quantize_model(
     on_layer_done: Callable[[int, nn.Module, list[torch.Tensor], dict], None] | None = None,
     start_layer: int = 0,
     hidden_states: list[torch.Tensor] | None = None,
+    offload_dir: Path | None = None,
 ) -> QuantReport:
     """Quantize every decoder-layer linear of `model` in place, layer by layer; returns the report.
 
@@ -225,7 +227,11 @@ def quantize_model(
     releases them after (default: the layers are already resident); `on_layer_done(i, layer, outputs,
     entry)` sees each finished layer before its release; a resumed run starts at `start_layer` with
     `hidden_states` (the inputs of that layer per batch) instead of the captured layer-0 inputs.
+    The hidden states wait between layers on the device, in host memory or under `offload_dir`
+    (quantkit.streaming.hidden picks the first that fits).
     """
+    from quantkit.streaming.hidden import open_store  # quantkit.streaming imports this module
+
     config.validate()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     method = get_method(config)
@@ -242,12 +248,14 @@ def quantize_model(
         with timer("capture"):
             inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
     if hidden_states is not None:
-        inputs = _move(hidden_states, device)
+        inputs = hidden_states
+    store = open_store(inputs, layers, device, offload_dir)
+    inputs = store.hold(inputs)
     layer_source = layer_source or _ResidentLayers()
     layers_start = time.perf_counter()
     progress = Progress(TextColumn("[bold]quantizing {task.fields[method]}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("{task.fields[note]}"), disable=not show_progress)
-    with progress:
+    with progress, store:
         task = progress.add_task("layers", total=len(layers), completed=start_layer, method=config.method, note="")
         for i, layer in enumerate(layers):
             if i < start_layer:
@@ -264,7 +272,9 @@ def quantize_model(
             for step in adapter.sequential:
                 results.update(_quantize_step(ctx, method, [n for n in step if _has(layer, n)], timer))
             with timer("forward (layer outputs)"), count_routed_tokens(layer, adapter) as expert_tokens:
-                inputs = ctx.forward()
+                outputs = ctx.forward(store.empty())
+            inputs.release()
+            inputs = outputs
             if expert_tokens:
                 entry["expert_tokens"] = expert_tokens
             if not all(torch.isfinite(x).all() for x in inputs):

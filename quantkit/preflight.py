@@ -5,6 +5,7 @@ but suspicious values get a warning saying what the user will get."""
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import socket
@@ -111,6 +112,17 @@ def estimate_export_bytes(source: Path | None, bits: int) -> int:
     return sum(f.stat().st_size for f in files) * bits // 16
 
 
+def estimate_hidden_state_bytes(source: Path, nsamples: int, seqlen: int) -> int:
+    """A layer's calibration inputs and outputs in fp32 (the widest work dtype), from the width in the
+    source's config.json; 0 when there is none to read (a GGUF file, a hub name not cached)."""
+    config = source / "config.json"
+    if not config.is_file():
+        return 0
+    text = json.loads(config.read_text())
+    width = text.get("hidden_size") or text.get("text_config", {}).get("hidden_size") or 0
+    return 2 * nsamples * seqlen * width * 4
+
+
 HUB_TIMEOUT_S = 3.0
 
 
@@ -135,7 +147,7 @@ def check_hub_reachable(source: str) -> None:
 
 def check_quantize_request(*, source: str | None, calib: str | None, output: Path, overwrite: bool,
                            nsamples: int, seqlen: int, batch_size: int, eval_windows: int | None,
-                           dtype: str, bits: int) -> None:
+                           dtype: str, bits: int, offload_dir: Path | None = None) -> None:
     """Everything `quantkit quantize` can check before loading the model."""
     from quantkit.data import check_text_source
     from quantkit.export import EXPORT_DTYPES
@@ -155,6 +167,10 @@ def check_quantize_request(*, source: str | None, calib: str | None, output: Pat
     clean_stale(output)
     check_output_target(output, overwrite, protected_folder(source_path))
     check_free_space(output, estimate_export_bytes(source_path, bits), f"the export to {output}")
+    if offload_dir is not None:
+        check_writable_folder("--offload-dir", offload_dir)
+        check_free_space(offload_dir, estimate_hidden_state_bytes(source_path, nsamples, seqlen),
+                         f"the calibration hidden states in {offload_dir}")
     warn_short_seqlen("--seqlen", seqlen)
     warn_few_calibration_tokens(nsamples, seqlen)
 

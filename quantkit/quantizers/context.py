@@ -34,8 +34,10 @@ class LayerContext:
         return self.layer.get_submodule(name)
 
     @torch.no_grad()
-    def forward(self) -> list[torch.Tensor]:
-        outputs = []
+    def forward(self, outputs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The layer's outputs per batch, appended to `outputs` if given (the
+        engine passes its hidden-state store: anything with append)."""
+        outputs = [] if outputs is None else outputs
         for x, kwargs, mask in zip(self.inputs, self.kwargs, self.token_masks, strict=True):
             self.current_mask = mask
             out = self.layer(x, **kwargs)

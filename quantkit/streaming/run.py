@@ -121,13 +121,6 @@ def _settings(config: QuantConfig, fmt_name: str, torch_dtype: torch.dtype, mode
             "work_dtype": str(work_dtype), "device": device.type, "batch_size": batch_size}
 
 
-def _log_hidden_states(calib: CalibrationSet, model: nn.Module, device: torch.device) -> None:
-    width = model.config.get_text_config().hidden_size
-    size = calib.input_ids.numel() * width * next(model.parameters()).element_size()
-    log.info("calibration hidden states: %.2f GiB on %s (plus the same again for each layer's outputs)",
-             size / 2**30, device)
-
-
 def quantize_streaming(
     model: PreTrainedModel,
     ckpt: SafetensorsCheckpoint,
@@ -144,9 +137,11 @@ def quantize_streaming(
     resume: bool = True,
     show_progress: bool = True,
     layer_source: StreamedLayers | None = None,
+    offload_dir: Path | None = None,
 ) -> tuple[Path, QuantReport | None]:
     """Quantize the skeleton from open_streamed_model layer by layer and write the export at `output`.
 
+    `offload_dir`: where the calibration hidden states go when neither the device nor the host holds them.
     Returns the output and the report (None when an earlier run of the same command had already
     published the export and was stopped while cleaning up)."""
     fmt = get_format(fmt_name)
@@ -165,7 +160,6 @@ def quantize_streaming(
     with _disk_errors(work.path):
         output.parent.mkdir(parents=True, exist_ok=True)
         start = work.open(resume)
-        _log_hidden_states(calib, model, device)
         layer_source = layer_source or StreamedLayers(ckpt, adapter, next(model.parameters()).dtype)
 
         def on_layer_done(index: int, layer: nn.Module, outputs: list[torch.Tensor], entry: dict) -> None:
@@ -175,7 +169,8 @@ def quantize_streaming(
         report = quantize_model(model, adapter, calib, config, device=device, batch_size=batch_size,
                                 show_progress=show_progress, layer_source=layer_source,
                                 on_layer_done=on_layer_done, start_layer=start,
-                                hidden_states=work.hidden_states(start) if start else None)
+                                hidden_states=work.hidden_states(start) if start else None,
+                                offload_dir=offload_dir)
         report.layers = work.entries()
         report.fallbacks = [f"layer {e['layer']} {name}: {info['fallback']}" for e in report.layers
                             for name, info in e["linears"].items() if info.get("fallback")]

@@ -1,0 +1,163 @@
+"""Streamed GPTQ W4 g128 of a Llama-3-70B-shaped random checkpoint on one GPU (issue #29).
+
+Writes N random bf16 decoder layers (hidden 8192, FFN 28672, GQA 64/8, vocab 128256) straight to
+safetensors shards on local disk, generated on the GPU one layer at a time; then quantizes them through
+quantkit.streaming (not the CLI) with 128 x 2048 random calibration tokens and writes the GPTQ export.
+Reports seconds per layer (excluding the first), peak host RSS, peak GPU memory, disk used and the
+extrapolated 80-layer time, as JSON and Markdown in --out. Targets: 80 layers in at most 20 minutes with at
+most 32 GiB of host memory and 40 GiB of GPU memory. `--tiny` runs a small shape (also on the CPU) to check
+the script before spending device time.
+
+    python benchmarks/bench_streaming_device.py --layers 6 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import resource
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from quantkit.config import QuantConfig
+from quantkit.data import CalibrationSet
+from quantkit.streaming import open_streamed_model, quantize_streaming
+
+GIB = 2**30
+FULL_DEPTH = 80
+SHAPES = {  # name: (hidden, FFN, heads, kv heads, vocab, samples, seqlen)
+    "70b": (8192, 28672, 64, 8, 128256, 128, 2048),
+    "tiny": (256, 512, 4, 2, 1024, 8, 64),
+}
+
+
+def llama_config(shape: str, layers: int) -> LlamaConfig:
+    hidden, ffn, heads, kv_heads, vocab, *_ = SHAPES[shape]
+    return LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, vocab_size=vocab, num_hidden_layers=layers,
+                       max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
+                       dtype="bfloat16")
+
+
+def write_checkpoint(folder: Path, config: LlamaConfig, device: torch.device) -> int:
+    """One shard per decoder layer (and one for the rest), random bf16 made on `device`; returns the bytes."""
+    folder.mkdir(parents=True)
+    with torch.device("meta"):
+        shapes = {n: t.shape for n, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    groups: dict[str, list[str]] = {}
+    for name in shapes:
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        groups.setdefault(match.group(1) if match else "rest", []).append(name)
+    weight_map, total, gen = {}, 0, torch.Generator(device).manual_seed(0)
+    for i, names in enumerate(groups.values(), 1):
+        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {n: _random(shapes[n], n, gen, device) for n in names}
+        save_file(tensors, folder / fname, metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(names, fname))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    config.save_pretrained(folder)
+    return total
+
+
+def _random(shape: torch.Size, name: str, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16)
+    return (torch.randn(shape, generator=gen, device=device) * 0.02).to(torch.bfloat16).cpu()
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def summarize(layer_seconds: list[float], engine_seconds: float, total_seconds: float, layers: int) -> dict:
+    """Seconds per layer after the first, and the 80-layer time: the engine's fixed part (capture) once, the
+    first layer once, the others at the steady rate, and the rest (work files, export) scaled with depth."""
+    steady = statistics.mean(layer_seconds[1:]) if len(layer_seconds) > 1 else layer_seconds[0]
+    fixed = engine_seconds - sum(layer_seconds)
+    per_depth = (total_seconds - engine_seconds) / layers
+    full = fixed + layer_seconds[0] + (FULL_DEPTH - 1) * steady + per_depth * FULL_DEPTH
+    return {"seconds_per_layer": steady, "first_layer_seconds": layer_seconds[0], "engine_fixed_seconds": fixed,
+            "export_seconds_per_layer": per_depth, "extrapolated_80_layer_seconds": full}
+
+
+def markdown(result: dict) -> str:
+    rows = [("device", result["device"]), ("layers run", result["layers"]),
+            ("calibration", f"{result['nsamples']} x {result['seqlen']} tokens"),
+            ("checkpoint on disk", f"{result['checkpoint_bytes'] / GIB:.1f} GiB"),
+            ("checkpoint written in", f"{result['write_seconds']:.0f} s"),
+            ("seconds per layer (excl. first)", f"{result['seconds_per_layer']:.1f}"),
+            ("first layer", f"{result['first_layer_seconds']:.1f} s"),
+            ("streamed quantization + export", f"{result['total_seconds']:.0f} s"),
+            ("extrapolated 80 layers", f"{result['extrapolated_80_layer_seconds'] / 60:.1f} min (target 20)"),
+            ("peak host RSS", f"{result['peak_rss_bytes'] / GIB:.1f} GiB (target 32)"),
+            ("peak GPU memory", f"{result['peak_gpu_bytes'] / GIB:.1f} GiB (target 40)"),
+            ("export on disk", f"{result['export_bytes'] / GIB:.1f} GiB"),
+            ("disk free after", f"{result['disk_free_bytes'] / GIB:.1f} GiB")]
+    lines = ["| quantity | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
+    phases = ", ".join(f"{k} {v:.0f} s" for k, v in result["phase_seconds"].items())
+    return "\n".join([*lines, "", f"Engine phases (summed over layers): {phases}", ""])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=6, help="decoder layers written and quantized")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/quantkit-bench-70b"),
+                        help="checkpoint and export (local disk; removed at the end)")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="JSON and Markdown results")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--offload-dir", type=Path, help="hidden states on disk if neither GPU nor host holds them")
+    parser.add_argument("--tiny", action="store_true", help="a small shape, to check the script (CPU is fine)")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoint and the export")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = "tiny" if args.tiny else "70b"
+    *_, vocab, nsamples, seqlen = SHAPES[shape]
+    source, output = args.work_dir / "checkpoint", args.work_dir / "export"
+    shutil.rmtree(args.work_dir, ignore_errors=True)
+    start = time.perf_counter()
+    size = write_checkpoint(source, llama_config(shape, args.layers), device)
+    write_seconds = time.perf_counter() - start
+    logging.info("wrote %d layers, %.1f GiB in %.0f s", args.layers, size / GIB, write_seconds)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ids = torch.randint(0, vocab, (nsamples, seqlen), generator=torch.Generator().manual_seed(0))
+    calib = CalibrationSet(ids, torch.ones_like(ids))
+    config = QuantConfig(method="gptq", bits=4, group_size=128)
+    start = time.perf_counter()
+    model, ckpt = open_streamed_model(str(source), torch.bfloat16 if device.type == "cuda" else torch.float32)
+    _, report = quantize_streaming(model, ckpt, None, calib, config, "gptq", output, device=device,
+                                   batch_size=args.batch_size, show_progress=False, offload_dir=args.offload_dir)
+    total = time.perf_counter() - start
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "shape": shape,
+        "layers": args.layers, "nsamples": nsamples, "seqlen": seqlen, "batch_size": args.batch_size,
+        "checkpoint_bytes": size, "write_seconds": write_seconds, "total_seconds": total,
+        "engine_seconds": report.seconds, "layer_seconds": [e["seconds"] for e in report.layers],
+        "phase_seconds": report.timings,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
+        "export_bytes": folder_bytes(output), "disk_free_bytes": shutil.disk_usage(args.work_dir).free,
+        "torch": torch.__version__,
+        **summarize([e["seconds"] for e in report.layers], report.seconds, total, args.layers),
+    }
+    if not args.keep:
+        shutil.rmtree(args.work_dir, ignore_errors=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "streaming_device.json").write_text(json.dumps(result, indent=1))
+    (args.out / "streaming_device.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
