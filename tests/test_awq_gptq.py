@@ -1,0 +1,85 @@
+"""awq-gptq: AWQ's scale search folded per layer, then act-order GPTQ on the smoothed layer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_awq import outlier_model
+from test_engine import random_calibration
+
+from quantkit.config import QuantConfig
+from quantkit.engine import quantize_model
+from quantkit.export import export_checkpoint, quantized_modules
+from quantkit.models import get_adapter
+from quantkit.nn.qlinear import QuantLinear
+from quantkit.quantizers.awq_gptq import AWQGPTQOptions
+from quantkit.quantizers.gptq import GPTQOptions
+from quantkit.reload import load_quantized
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def quantized(original, calib, config: QuantConfig):
+    model = copy.deepcopy(original)
+    report = quantize_model(model, get_adapter(model), calib, config, device="cpu", show_progress=False)
+    return model, report
+
+
+def logits_error(model, reference: torch.Tensor, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        return ((model(ids).logits - reference).norm() / reference.norm()).item()
+
+
+def test_defaults_are_act_order_without_clipping() -> None:
+    options = AWQGPTQOptions()
+    assert options.act_order and not options.clip and options.grid == 20
+    config = QuantConfig(method="awq-gptq", group_size=32)
+    assert config.label() == "awq-gptq W4A16 g32 sym act-order"
+    assert QuantConfig.from_dict(config.to_dict()).options == options
+
+
+def test_smoothing_is_awqs_and_clipping_is_optional() -> None:
+    """Layer 0 sees the same inputs under AWQ and awq-gptq: its folded norms are AWQ's, to the bit."""
+    original, calib = outlier_model("llama"), random_calibration()
+    awq, _ = quantized(original, calib, QuantConfig(method="awq", group_size=32))
+    ours, report = quantized(original, calib, QuantConfig(method="awq-gptq", group_size=32))
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        expected = awq.model.layers[0].get_submodule(norm).weight
+        assert torch.equal(ours.model.layers[0].get_submodule(norm).weight, expected), norm
+        assert not torch.equal(expected, original.model.layers[0].get_submodule(norm).weight), norm
+    assert all("clip" not in layer["smoothing"] for layer in report.layers)
+    clipped = QuantConfig(method="awq-gptq", group_size=32, options=AWQGPTQOptions(clip=True))
+    _, report = quantized(original, calib, clipped)
+    assert all("clip" in layer["smoothing"] for layer in report.layers)
+
+
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_beats_gptq_and_rtn_on_logits(act_bits: int) -> None:
+    original, calib = outlier_model("llama"), random_calibration(n=8, seqlen=32)
+    heldout = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        reference = original(heldout).logits
+    errors = {}
+    for method in ("rtn", "gptq", "awq-gptq"):
+        options = GPTQOptions(act_order=True) if method == "gptq" else None
+        config = QuantConfig(method=method, group_size=32, act_bits=act_bits, options=options)
+        errors[method] = logits_error(quantized(original, calib, config)[0], reference, heldout)
+    assert errors["awq-gptq"] < 0.9 * errors["gptq"] < 0.9 * errors["rtn"], errors
+
+
+@pytest.mark.parametrize(("fmt", "sym", "act_bits"), [
+    ("gptq", True, 16), ("awq", False, 16), ("awq", True, 16), ("compressed-tensors", False, 16),
+    ("compressed-tensors", True, 8),
+])
+def test_every_format_exports_and_reloads(tmp_path, fmt: str, sym: bool, act_bits: int) -> None:
+    original, calib = outlier_model("llama"), random_calibration()
+    config = QuantConfig(method="awq-gptq", group_size=32, sym=sym, act_bits=act_bits)
+    model, _ = quantized(original, calib, config)
+    out = export_checkpoint(model, None, tmp_path / "ckpt", config, fmt, dtype="float16")
+    reloaded, _ = load_quantized(out, dtype=torch.float32)
+    for name, q in quantized_modules(model).items():
+        r = reloaded.get_submodule(name)
+        assert isinstance(r, QuantLinear) and r.act_bits == act_bits
+        torch.testing.assert_close(r.dequantized_weight(), q.dequantized_weight().float(), rtol=0, atol=0)
