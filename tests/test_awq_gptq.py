@@ -1,4 +1,8 @@
-"""awq-gptq: AWQ's scale search folded per layer, then act-order GPTQ on the smoothed layer."""
+"""awq-gptq: AWQ's scale search folded per layer, then act-order GPTQ on the smoothed layer.
+
+Tiny random models for the pieces and the exports; SmolLM2-135M (16 x 256 calibration tokens, 4 held-out windows per
+text, one thread) for the claim: awq-gptq beats act-order GPTQ and RTN on held-out NLL.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from realmodel import mean
 from test_awq import outlier_model
 from test_engine import random_calibration
 
@@ -19,6 +24,14 @@ from quantkit.quantizers.gptq import GPTQOptions
 from quantkit.reload import load_quantized
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+REPORT = "smollm2_awq_gptq"  # QUANTKIT_TEST_REPORT=DIR: DIR/smollm2_awq_gptq.json
+# 5 scale ratios instead of AWQ's 20: a quarter of the scale search's block evaluations (as test_smollm2_awq.py)
+# 1274 s measured 2026-12-06 on the shared 2-core machine at a load average of ~9 (the quantize times alone: RTN 77 s,
+# GPTQ 333 s, awq-gptq 448 s); in an idle CI worker it should be a fraction of that
+SLOW_SECONDS = 1274
+# Measured: 0.112 (English -0.18, Korean +0.64); issue #31's target of 0.25 is not met on this model
+MIN_CLOSED = 0.05
+SMOLLM2_AWQ_GPTQ = QuantConfig(method="awq-gptq", group_size=64, options=AWQGPTQOptions(grid=5))
 
 
 def quantized(original, calib, config: QuantConfig):
@@ -83,3 +96,17 @@ def test_every_format_exports_and_reloads(tmp_path, fmt: str, sym: bool, act_bit
         r = reloaded.get_submodule(name)
         assert isinstance(r, QuantLinear) and r.act_bits == act_bits
         torch.testing.assert_close(r.dequantized_weight(), q.dequantized_weight().float(), rtol=0, atol=0)
+
+
+@pytest.mark.slow(seconds=SLOW_SECONDS)
+def test_smollm2_beats_gptq_and_rtn(smollm2_setup, smollm2_recorder) -> None:
+    """Mean NLL of both texts, measured 2026-12-06 (benchmarks/accuracy/NEW_METHOD.md): fp 2.136, awq-gptq 2.323,
+    GPTQ act-order 2.347, RTN 2.545."""
+    model, _, calib, _ = smollm2_setup
+    fp = mean(smollm2_recorder.nll(model, "fp32"))
+    nll = {"rtn": mean(smollm2_recorder.quantized(model, calib, QuantConfig(method="rtn", group_size=64))[0]),
+           "gptq": mean(smollm2_recorder.quantized(
+               model, calib, QuantConfig(method="gptq", group_size=64, options=GPTQOptions(act_order=True)))[0]),
+           "awq-gptq": mean(smollm2_recorder.quantized(model, calib, SMOLLM2_AWQ_GPTQ)[0])}
+    closed = (nll["gptq"] - nll["awq-gptq"]) / (nll["gptq"] - fp)  # the share of GPTQ's gap to fp it closes
+    assert closed > MIN_CLOSED and nll["awq-gptq"] < nll["gptq"] < nll["rtn"], (fp, nll)
