@@ -11,7 +11,7 @@ GPTQ per candidate and per group, 20x its cost).
 AWQ's clipping is off by default: it clamps each group's weights to the range whose *rounding* error is
 smallest, while GPTQ spreads each column's error over the columns still to come, so the range RTN prefers is
 not the one GPTQ's compensation does, and clamping discards weight mass GPTQ could have compensated for.
-Measured on SmolLM2-135M and Gemma-3-270M: benchmarks/accuracy/NEW_METHOD.md. --clip turns it back on.
+--clip turns it back on (not measured yet on real models). Figures: benchmarks/accuracy/NEW_METHOD.md.
 
 W4A16 and W4A8 (per-token int8 activations, symmetric weights): GPTQ's weights do not depend on act_bits.
 """
