@@ -31,7 +31,7 @@ REPORT = "smollm2_awq_gptq"  # QUANTKIT_TEST_REPORT=DIR: DIR/smollm2_awq_gptq.js
 SLOW_SECONDS = 1274
 # Measured: 0.112 (English -0.18, Korean +0.64); issue #31's target of 0.25 is not met on this model
 MIN_CLOSED = 0.05
-SMOLLM2_AWQ_GPTQ = QuantConfig(method="awq-gptq", group_size=64, options=AWQGPTQOptions(grid=5))
+SMOLLM2_AWQ_GPTQ = QuantConfig(method="awq-gptq", group_size=64, options=AWQGPTQOptions(grid=5, clip=False))
 
 
 def quantized(original, calib, config: QuantConfig):
@@ -45,9 +45,9 @@ def logits_error(model, reference: torch.Tensor, ids: torch.Tensor) -> float:
         return ((model(ids).logits - reference).norm() / reference.norm()).item()
 
 
-def test_defaults_are_act_order_without_clipping() -> None:
+def test_defaults_are_act_order_and_awqs() -> None:
     options = AWQGPTQOptions()
-    assert options.act_order and not options.clip and options.grid == 20
+    assert options.act_order and options.clip and options.grid == 20
     config = QuantConfig(method="awq-gptq", group_size=32)
     assert config.label() == "awq-gptq W4A16 g32 sym act-order"
     assert QuantConfig.from_dict(config.to_dict()).options == options
@@ -57,14 +57,14 @@ def test_smoothing_is_awqs_and_clipping_is_optional() -> None:
     """Layer 0 sees the same inputs under AWQ and awq-gptq: its folded norms are AWQ's, to the bit."""
     original, calib = outlier_model("llama"), random_calibration()
     awq, _ = quantized(original, calib, QuantConfig(method="awq", group_size=32))
-    ours, report = quantized(original, calib, QuantConfig(method="awq-gptq", group_size=32))
+    unclipped = QuantConfig(method="awq-gptq", group_size=32, options=AWQGPTQOptions(clip=False))
+    ours, report = quantized(original, calib, unclipped)
     for norm in ("input_layernorm", "post_attention_layernorm"):
         expected = awq.model.layers[0].get_submodule(norm).weight
         assert torch.equal(ours.model.layers[0].get_submodule(norm).weight, expected), norm
         assert not torch.equal(expected, original.model.layers[0].get_submodule(norm).weight), norm
     assert all("clip" not in layer["smoothing"] for layer in report.layers)
-    clipped = QuantConfig(method="awq-gptq", group_size=32, options=AWQGPTQOptions(clip=True))
-    _, report = quantized(original, calib, clipped)
+    _, report = quantized(original, calib, QuantConfig(method="awq-gptq", group_size=32))
     assert all("clip" in layer["smoothing"] for layer in report.layers)
 
 
@@ -74,12 +74,15 @@ def test_beats_gptq_and_rtn_on_logits(act_bits: int) -> None:
     heldout = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         reference = original(heldout).logits
+    runs = {"rtn": ("rtn", None), "gptq": ("gptq", GPTQOptions(act_order=True)), "clipped": ("awq-gptq", None),
+            "awq-gptq": ("awq-gptq", AWQGPTQOptions(clip=False))}
     errors = {}
-    for method in ("rtn", "gptq", "awq-gptq"):
-        options = GPTQOptions(act_order=True) if method == "gptq" else None
+    for label, (method, options) in runs.items():
         config = QuantConfig(method=method, group_size=32, act_bits=act_bits, options=options)
-        errors[method] = logits_error(quantized(original, calib, config)[0], reference, heldout)
+        errors[label] = logits_error(quantized(original, calib, config)[0], reference, heldout)
     assert errors["awq-gptq"] < 0.9 * errors["gptq"] < 0.9 * errors["rtn"], errors
+    # AWQ's clipping (RTN's best range) takes most of the gain back: GPTQ compensates better unclipped
+    assert errors["awq-gptq"] < errors["clipped"] < errors["gptq"], errors
 
 
 @pytest.mark.parametrize(("fmt", "sym", "act_bits"), [

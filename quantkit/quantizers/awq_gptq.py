@@ -8,10 +8,11 @@ AWQ's scale search scores each candidate by the output error of RTN on the scale
 scales that help rounding the most are taken as a proxy for the ones that help GPTQ (an exact score would run
 GPTQ per candidate and per group, 20x its cost).
 
-AWQ's clipping is off by default: it clamps each group's weights to the range whose *rounding* error is
-smallest, while GPTQ spreads each column's error over the columns still to come, so the range RTN prefers is
-not the one GPTQ's compensation does, and clamping discards weight mass GPTQ could have compensated for.
---clip turns it back on (not measured yet on real models). Figures: benchmarks/accuracy/NEW_METHOD.md.
+AWQ's clipping (AWQOptions.clip) clamps each group's weights to the range whose *rounding* error is smallest,
+while GPTQ spreads each column's error over the columns still to come: the range RTN prefers is not the one
+GPTQ's compensation does, and clamping discards weight mass GPTQ could have compensated for. The measured runs
+(benchmarks/accuracy/NEW_METHOD.md) use --no-clip; the default stays AWQ's (on) because `quantkit quantize`
+shares one flag, and so one default, between every method that declares the field (cli._declared_options).
 
 W4A16 and W4A8 (per-token int8 activations, symmetric weights): GPTQ's weights do not depend on act_bits.
 """
@@ -31,11 +32,10 @@ from quantkit.quantizers.gptq import GPTQOptions, GPTQQuantizer
 
 @dataclass(frozen=True)
 class AWQGPTQOptions(GPTQOptions, AWQOptions):
-    """GPTQ's options and AWQ's scale search's; act-order and clipping default as the method intends."""
+    """GPTQ's options and AWQ's scale search's; act-order on by default, as the CLI has it for GPTQ."""
 
     act_order: bool = option(True, "act-order with static groups (no inference cost)",
                              flag="--act-order/--no-act-order")
-    clip: bool = option(False, "AWQ's clip search before GPTQ", flag="--clip/--no-clip")
 
 
 @register
