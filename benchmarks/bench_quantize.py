@@ -2,6 +2,7 @@
 
     python benchmarks/bench_quantize.py --method gptq --nsamples 128 --seqlen 2048 --out results.json
     python benchmarks/bench_quantize.py --method awq --asym --nsamples 128 --seqlen 512 --out results.json
+    python benchmarks/bench_quantize.py --method awq-gptq --act-order --nsamples 128 --seqlen 512 --out results.json
 
 Random weights (Llama-3-8B shapes: 32 layers, hidden 4096, FFN 14336, GQA 32/8, vocab 128256) and
 random token ids: speed does not depend on the values. Layers live on the CPU and move to the GPU one
@@ -25,6 +26,7 @@ from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.engine import quantize_model
 from quantkit.models import get_adapter
+from quantkit.quantizers.gptq import GPTQOptions
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
@@ -81,6 +83,7 @@ def main() -> None:
     parser.add_argument("--method", default="gptq")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--asym", action="store_true")
+    parser.add_argument("--act-order", action="store_true", help="GPTQ-based methods: act-order (static groups)")
     parser.add_argument("--nsamples", type=int, default=128)
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=32)
@@ -94,7 +97,9 @@ def main() -> None:
     ids = torch.randint(0, LLAMA3_8B["vocab_size"], (args.nsamples, args.seqlen),
                         generator=torch.Generator().manual_seed(1))
     calib = CalibrationSet(ids, torch.ones_like(ids))
-    config = QuantConfig(method=args.method, group_size=args.group_size, sym=not args.asym)
+    # a flat dict: act_order is ignored by methods without it; given either way, it times what the flag says
+    config = QuantConfig.from_dict(dict(method=args.method, group_size=args.group_size, sym=not args.asym,
+                                        act_order=args.act_order)).validate()
     torch.cuda.reset_peak_memory_stats()
     report = quantize_model(model, get_adapter(model), calib, config, device="cuda",
                             batch_size=args.batch_size, show_progress=False)
@@ -105,11 +110,11 @@ def main() -> None:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "command": "python benchmarks/bench_quantize.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "asym")
-        ) + (" --asym" if args.asym else ""),
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "asym", "act_order")
+        ) + (" --asym" if args.asym else "") + (" --act-order" if args.act_order else ""),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True).stdout.strip() or "unknown",
-        "method": args.method, "group_size": args.group_size, "sym": not args.asym,
+        "method": args.method, "group_size": args.group_size, "sym": not args.asym, "label": config.label(),
         "calibration_tokens": calib.n_tokens,
         "model_build_seconds": round(build_s, 1),
         "total_seconds": round(report.seconds, 1),
@@ -119,7 +124,7 @@ def main() -> None:
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "fallbacks": report.fallbacks,
     }
-    if args.method in ("gptq", "qqq"):
+    if isinstance(config.options, GPTQOptions):  # gptq, qqq, awq-gptq: every linear builds a Hessian
         widths = [4096] * 6 + [14336]  # q k v o gate up down
         one_layer = hessian_seconds(calib.n_tokens, widths, "cuda", args.batch_size * args.seqlen)
         result["hessian_seconds_estimate"] = round(one_layer * args.layers, 1)

@@ -1,0 +1,115 @@
+"""awq-gptq: AWQ's scale search folded per layer, then act-order GPTQ on the smoothed layer.
+
+Tiny random models for the pieces and the exports; SmolLM2-135M (16 x 256 calibration tokens, 4 held-out windows per
+text, one thread) for the claim: awq-gptq beats act-order GPTQ and RTN on held-out NLL.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from realmodel import mean
+from test_awq import outlier_model
+from test_engine import random_calibration
+
+from quantkit.config import QuantConfig
+from quantkit.engine import quantize_model
+from quantkit.export import export_checkpoint, quantized_modules
+from quantkit.models import get_adapter
+from quantkit.nn.qlinear import QuantLinear
+from quantkit.quantizers.awq_gptq import AWQGPTQOptions
+from quantkit.quantizers.gptq import GPTQOptions
+from quantkit.reload import load_quantized
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+REPORT = "smollm2_awq_gptq"  # QUANTKIT_TEST_REPORT=DIR: DIR/smollm2_awq_gptq.json
+# 5 scale ratios instead of AWQ's 20: a quarter of the scale search's block evaluations (as test_smollm2_awq.py)
+# 1274 s measured 2026-12-06 on the shared 2-core machine at a load average of ~9 (the quantize times alone: RTN 77 s,
+# GPTQ 333 s, awq-gptq 448 s); in an idle CI worker it should be a fraction of that
+SLOW_SECONDS = 1274
+# Measured: 0.112 (English -0.18, Korean +0.64); issue #31's target of 0.25 is not met on this model
+MIN_CLOSED = 0.05
+SMOLLM2_AWQ_GPTQ = QuantConfig(method="awq-gptq", group_size=64, options=AWQGPTQOptions(grid=5, clip=False))
+
+
+def quantized(original, calib, config: QuantConfig):
+    model = copy.deepcopy(original)
+    report = quantize_model(model, get_adapter(model), calib, config, device="cpu", show_progress=False)
+    return model, report
+
+
+def logits_error(model, reference: torch.Tensor, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        return ((model(ids).logits - reference).norm() / reference.norm()).item()
+
+
+def test_defaults_are_act_order_and_awqs() -> None:
+    options = AWQGPTQOptions()
+    assert options.act_order and options.clip and options.grid == 20
+    config = QuantConfig(method="awq-gptq", group_size=32)
+    assert config.label() == "awq-gptq W4A16 g32 sym act-order"
+    assert QuantConfig.from_dict(config.to_dict()).options == options
+
+
+def test_smoothing_is_awqs_and_clipping_is_optional() -> None:
+    """Layer 0 sees the same inputs under AWQ and awq-gptq: its folded norms are AWQ's, to the bit."""
+    original, calib = outlier_model("llama"), random_calibration()
+    awq, _ = quantized(original, calib, QuantConfig(method="awq", group_size=32))
+    unclipped = QuantConfig(method="awq-gptq", group_size=32, options=AWQGPTQOptions(clip=False))
+    ours, report = quantized(original, calib, unclipped)
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        expected = awq.model.layers[0].get_submodule(norm).weight
+        assert torch.equal(ours.model.layers[0].get_submodule(norm).weight, expected), norm
+        assert not torch.equal(expected, original.model.layers[0].get_submodule(norm).weight), norm
+    assert all("clip" not in layer["smoothing"] for layer in report.layers)
+    _, report = quantized(original, calib, QuantConfig(method="awq-gptq", group_size=32))
+    assert all("clip" in layer["smoothing"] for layer in report.layers)
+
+
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_beats_gptq_and_rtn_on_logits(act_bits: int) -> None:
+    original, calib = outlier_model("llama"), random_calibration(n=8, seqlen=32)
+    heldout = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        reference = original(heldout).logits
+    runs = {"rtn": ("rtn", None), "gptq": ("gptq", GPTQOptions(act_order=True)), "clipped": ("awq-gptq", None),
+            "awq-gptq": ("awq-gptq", AWQGPTQOptions(clip=False))}
+    errors = {}
+    for label, (method, options) in runs.items():
+        config = QuantConfig(method=method, group_size=32, act_bits=act_bits, options=options)
+        errors[label] = logits_error(quantized(original, calib, config)[0], reference, heldout)
+    assert errors["awq-gptq"] < 0.9 * errors["gptq"] < 0.9 * errors["rtn"], errors
+    # AWQ's clipping (RTN's best range) takes most of the gain back: GPTQ compensates better unclipped
+    assert errors["awq-gptq"] < errors["clipped"] < errors["gptq"], errors
+
+
+@pytest.mark.parametrize(("fmt", "sym", "act_bits"), [
+    ("gptq", True, 16), ("awq", False, 16), ("awq", True, 16), ("compressed-tensors", False, 16),
+    ("compressed-tensors", True, 8),
+])
+def test_every_format_exports_and_reloads(tmp_path, fmt: str, sym: bool, act_bits: int) -> None:
+    original, calib = outlier_model("llama"), random_calibration()
+    config = QuantConfig(method="awq-gptq", group_size=32, sym=sym, act_bits=act_bits)
+    model, _ = quantized(original, calib, config)
+    out = export_checkpoint(model, None, tmp_path / "ckpt", config, fmt, dtype="float16")
+    reloaded, _ = load_quantized(out, dtype=torch.float32)
+    for name, q in quantized_modules(model).items():
+        r = reloaded.get_submodule(name)
+        assert isinstance(r, QuantLinear) and r.act_bits == act_bits
+        torch.testing.assert_close(r.dequantized_weight(), q.dequantized_weight().float(), rtol=0, atol=0)
+
+
+@pytest.mark.slow(seconds=SLOW_SECONDS)
+def test_smollm2_beats_gptq_and_rtn(smollm2_setup, smollm2_recorder) -> None:
+    """Mean NLL of both texts, measured 2026-12-06 (benchmarks/accuracy/NEW_METHOD.md): fp 2.136, awq-gptq 2.323,
+    GPTQ act-order 2.347, RTN 2.545."""
+    model, _, calib, _ = smollm2_setup
+    fp = mean(smollm2_recorder.nll(model, "fp32"))
+    nll = {"rtn": mean(smollm2_recorder.quantized(model, calib, QuantConfig(method="rtn", group_size=64))[0]),
+           "gptq": mean(smollm2_recorder.quantized(
+               model, calib, QuantConfig(method="gptq", group_size=64, options=GPTQOptions(act_order=True)))[0]),
+           "awq-gptq": mean(smollm2_recorder.quantized(model, calib, SMOLLM2_AWQ_GPTQ)[0])}
+    closed = (nll["gptq"] - nll["awq-gptq"]) / (nll["gptq"] - fp)  # the share of GPTQ's gap to fp it closes
+    assert closed > MIN_CLOSED and nll["awq-gptq"] < nll["gptq"] < nll["rtn"], (fp, nll)
