@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
+from quantkit.config import check_option_value, option_spec
 from quantkit.qtensor import QuantizationError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -190,14 +191,10 @@ class _DeclaredOption:
 
     @property
     def flag(self) -> str:
-        from quantkit.config import option_spec
-
         return option_spec(self.field).flag_for(self.field.name, self.annotation is bool)
 
     @property
     def default(self) -> Any:
-        from quantkit.config import option_spec
-
         cli_default = option_spec(self.field).cli_default
         return self.field.default if cli_default is None else cli_default
 
@@ -219,8 +216,6 @@ def _declared_options() -> dict[str, _DeclaredOption]:
 
 def _method_option_parameters() -> list[inspect.Parameter]:
     """One keyword parameter per declared option, its help prefixed with the methods that take it."""
-    from quantkit.config import option_spec
-
     parameters = []
     for name, declared in _declared_options().items():
         spec = option_spec(declared.field)
@@ -234,8 +229,6 @@ def _method_option_parameters() -> list[inspect.Parameter]:
 def check_method_options(method: str, given: dict[str, Any]) -> None:
     """Every option's declared range, whichever method takes it (a bad value is a mistake either way); an option
     set away from its default that the chosen method does not take is a warning, not silently dropped."""
-    from quantkit.config import check_option_value
-
     for name, declared in _declared_options().items():
         value = given.get(name, declared.default)
         check_option_value(declared.field, value)
