@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# What issue #4 still needs measured on the H200, in device calls of at most 10 minutes each (the device tool's
-# limit): `bash benchmarks/device_runs.sh PART COMMIT` with $OUT set (the device tool sets it), PART one of
+# The device measurements, each one call of at most 10 minutes (the device tool's limit):
+# `bash benchmarks/device_runs.sh PART COMMIT` with $OUT set (the device tool sets it), PART one of
 #   check      the GPU tests (tests/test_cuda.py) and the decode attention kernel alone against SDPA  (~3 min)
 #   w4a16      the tuned W4A16 g128 grid, six shapes, M = 1 16 64 1024 4096                            (~4 min)
 #   w4a8       the tuned W4A8 two-level g128 grid, M = 1 16 64 256 1024 4096                          (~4 min)
 #   e2e        the Llama-3-8B-shaped model end to end, compiled, with SDPA beside the kernel          (~4 min)
+#   stream70b  streamed GPTQ of a Llama-3-70B-shaped checkpoint, 16 layers (~48 GB of local disk)    (~7 min)
+#   quantize   GPTQ and awq-gptq act-order on the Llama-3-8B shape, 128 x 2048 tokens                (~8 min)
+#   moe        the grouped MoE kernels against the per-expert loops, Qwen3-30B-A3B and Mixtral shapes (~4 min)
 # COMMIT is the code's commit (the device's checkout has no git history). Tuning results are cached in .devcache
 # so a later part on the same warm machine does not re-tune.
 set -euo pipefail
@@ -25,5 +28,16 @@ case $part in
   e2e)
     timeout 560 python benchmarks/bench_e2e.py --out "$OUT/e2e" --schemes w4a16 w4a8 --batches 1 16 \
       --compiled-batches 1 --profile --compare-attention ;;
-  *) echo "unknown part $part: check, w4a16, w4a8 or e2e" >&2; exit 2 ;;
+  stream70b)
+    df -h /tmp | tail -1
+    timeout 570 python benchmarks/bench_streaming_device.py --layers 16 --out "$OUT/stream70b" ;;
+  quantize)
+    mkdir -p "$OUT/quantize"
+    for method in gptq awq-gptq; do
+      timeout 290 python benchmarks/bench_quantize.py --method $method --act-order --nsamples 128 --seqlen 2048 \
+        --batch-size 8 --out "$OUT/quantize/$method.json" || echo "$method: exit $?"
+    done ;;
+  moe)
+    timeout 560 python benchmarks/bench_moe.py --out "$OUT/moe" ;;
+  *) echo "unknown part $part: check, w4a16, w4a8, e2e, stream70b, quantize or moe" >&2; exit 2 ;;
 esac
