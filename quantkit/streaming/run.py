@@ -171,6 +171,7 @@ def quantize_streaming(
                                 on_layer_done=on_layer_done, start_layer=start,
                                 hidden_states=work.hidden_states(start) if start else None,
                                 offload_dir=offload_dir)
+        work.flush()
         report.layers = work.entries()
         report.fallbacks = [f"layer {e['layer']} {name}: {info['fallback']}" for e in report.layers
                             for name, info in e["linears"].items() if info.get("fallback")]

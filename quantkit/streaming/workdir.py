@@ -7,7 +7,8 @@ Layout of `.<output name>.quantkit-partial/`:
   layer-00007.safetensors  layer 7's export tensors (packed linears, its norms) in the export dtype
   hidden-00008.safetensors the calibration hidden states entering layer 8, exactly as computed
 A layer counts as finished once the manifest says so: its files are renamed into place before the
-manifest, so a kill at any moment leaves either the previous or the next consistent state.
+manifest, so a kill at any moment leaves either the previous or the next consistent state. A background
+thread writes each layer's files while the next layer computes (a 70B layer's hidden states are 4 GiB).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -74,6 +76,8 @@ class WorkDir:
     def __init__(self, path: Path, key: dict[str, str]) -> None:
         self.path, self.key = path, key
         self.manifest: dict = {"version": VERSION, "key": key, "layers": [], "published": False}
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-workdir")
+        self._pending: Future | None = None
 
     def _read_manifest(self) -> dict | None:
         try:
@@ -111,11 +115,25 @@ class WorkDir:
 
     def save_layer(self, index: int, tensors: dict[str, torch.Tensor], outputs: list[torch.Tensor],
                    entry: dict) -> None:
-        """Layer `index`'s export tensors (dict order kept in the manifest) and the hidden states it
-        produced; committed by the manifest rewrite, after which the older hidden states go."""
+        """Queues layer `index`'s export tensors (dict order kept in the manifest) and the hidden states it
+        produced for the writer thread, once the previous layer's are written. The hidden states are
+        copied here: the engine reuses their buffers."""
+        hidden = {f"batch.{j}": x.detach().to("cpu", copy=True).contiguous() for j, x in enumerate(outputs)}
+        self.flush()
+        self._pending = self._writer.submit(self._commit_layer, index, tensors, hidden, entry)
+
+    def flush(self) -> None:
+        """Waits until the queued layer is committed; raises what writing it raised (a full disk, say)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _commit_layer(self, index: int, tensors: dict[str, torch.Tensor], hidden: dict[str, torch.Tensor],
+                      entry: dict) -> None:
+        """The layer file, then the hidden states, then the manifest rewrite that commits them; the older
+        hidden states go last."""
         _replace_atomically(self.layer_file(index), lambda p: save_file(tensors, p))
         pause_between_phases()
-        hidden = {f"batch.{j}": x.detach().cpu().contiguous() for j, x in enumerate(outputs)}
         _replace_atomically(self._hidden_file(index + 1), lambda p: save_file(hidden, p))
         pause_between_phases()
         specs = [[k, nbytes(v), str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()]
