@@ -21,6 +21,7 @@ from rich.table import Table
 
 from quantkit.config import check_option_value, option_spec
 from quantkit.qtensor import QuantizationError
+from quantkit.streaming.workdir import RESUME_INTERVAL_S
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Post-training 4-bit quantization of Hugging Face causal LMs.")
@@ -164,6 +165,9 @@ def quantize(
         "still follows the routing); default: each expert's routed tokens, too few handled by the documented "
         "fallback")] = False,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="continue an interrupted streaming run of the same command")] = True,
+    resume_interval: Annotated[float, typer.Option(
+        "--resume-interval", help="streaming: seconds between saves of the hidden states a resume starts from "
+        "(0: after every layer; each save writes nsamples x seqlen x hidden x 2 bytes)")] = RESUME_INTERVAL_S,
     offload_dir: Annotated[Path | None, typer.Option(
         "--offload-dir", help="keep the calibration hidden states in memory-mapped files here when neither the "
         "work device nor host memory holds them")] = None,
@@ -264,7 +268,7 @@ quantize.__signature__ = quantize_signature()  # type: ignore[attr-defined]
 
 def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, nsamples, seqlen, seed, chat_template,
               output, overwrite, dtype, device, batch_size, evaluate, eval_windows, trust_remote_code, allow_pickle,
-              verbose, moe_all_tokens, resume, offload_dir, **method_options) -> None:
+              verbose, moe_all_tokens, resume, resume_interval, offload_dir, **method_options) -> None:
     from quantkit.config import QuantConfig
     from quantkit.data import build_calibration_set, load_passages
     from quantkit.engine import quantize_model
@@ -294,7 +298,7 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
     scheme(128 if group_size == "auto" else parse_group_size(group_size))  # the scheme, before any loading
     check_quantize_request(source=model, calib=calib, output=output, overwrite=overwrite, nsamples=nsamples,
                            seqlen=seqlen, batch_size=batch_size, eval_windows=eval_windows if evaluate else None,
-                           dtype=dtype, bits=bits, offload_dir=offload_dir)
+                           dtype=dtype, bits=bits, offload_dir=offload_dir, resume_interval=resume_interval)
     _phase("reading the calibration text")
     passages = load_passages(calib)
     not_streamed = streamable_reason(model, trust_remote_code)
@@ -314,7 +318,7 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
     calib_set = build_calibration_set(tokenizer, passages, nsamples, seqlen, seed, chat_template)
     if not_streamed is None:
         _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, format, output, dtype, work_device,
-                           batch_size, overwrite, resume, evaluate, offload_dir)
+                           batch_size, overwrite, resume, resume_interval, evaluate, offload_dir)
         return
     if evaluate:
         _phase("held-out perplexity of the original model")
@@ -340,8 +344,8 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
 
 
 def _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, fmt_name: str, output: Path, dtype: str,
-                       work_device: str, batch_size: int, overwrite: bool, resume: bool, evaluate: bool,
-                       offload_dir: Path | None) -> None:
+                       work_device: str, batch_size: int, overwrite: bool, resume: bool, resume_interval: float,
+                       evaluate: bool, offload_dir: Path | None) -> None:
     from quantkit.streaming import quantize_streaming
 
     if evaluate:
@@ -350,7 +354,7 @@ def _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, fmt_name: str, ou
     _phase(f"quantizing layer by layer, exporting to {output}")
     out, report = quantize_streaming(lm, ckpt, tokenizer, calib_set, config, fmt_name, output, dtype=dtype,
                                      device=work_device, batch_size=batch_size, overwrite=overwrite, resume=resume,
-                                     offload_dir=offload_dir)
+                                     offload_dir=offload_dir, resume_interval=resume_interval)
     if report is None:
         console.print(f"the export of this command was already complete -> [bold]{out}[/]")
         return

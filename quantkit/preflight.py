@@ -24,7 +24,7 @@ SHORT_SEQLEN = 128
 FEW_CALIBRATION_TOKENS = 8192  # below this, GPTQ's Hessians and AWQ's activation means are noisy
 
 
-def check_min(option: str, value: int | None, minimum: int, hint: str = "") -> None:
+def check_min(option: str, value: float | None, minimum: float, hint: str = "") -> None:
     """value >= minimum (None: the option was left at its default)."""
     if value is not None and value < minimum:
         raise QuantizationError(f"{option} must be at least {minimum}, got {value}{hint}")
@@ -147,7 +147,8 @@ def check_hub_reachable(source: str) -> None:
 
 def check_quantize_request(*, source: str | None, calib: str | None, output: Path, overwrite: bool,
                            nsamples: int, seqlen: int, batch_size: int, eval_windows: int | None,
-                           dtype: str, bits: int, offload_dir: Path | None = None) -> None:
+                           dtype: str, bits: int, offload_dir: Path | None = None,
+                           resume_interval: float = 0.0) -> None:
     """Everything `quantkit quantize` can check before loading the model."""
     from quantkit.data import check_text_source
     from quantkit.export import EXPORT_DTYPES
@@ -158,6 +159,7 @@ def check_quantize_request(*, source: str | None, calib: str | None, output: Pat
     check_seqlen("--seqlen", seqlen)
     check_min("--batch-size", batch_size, 1)
     check_min("--eval-windows", eval_windows, 1)
+    check_min("--resume-interval", resume_interval, 0)
     check_choice("--dtype", dtype, ("auto", *EXPORT_DTYPES))
     source_path = default_model_path() if is_default_name(source) else Path(str(source)).expanduser()
     check_model_source(str(source_path))

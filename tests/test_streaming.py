@@ -69,6 +69,7 @@ def _in_memory(source: Path, config: QuantConfig, fmt: str, output: Path) -> Pat
 
 def _streamed(source: Path, config: QuantConfig, fmt: str, output: Path, **kwargs) -> tuple[Path, object]:
     model, ckpt = open_streamed_model(str(source), torch.float32)
+    kwargs.setdefault("resume_interval", 0)  # every layer's outputs saved: each one a resume point
     return quantize_streaming(model, ckpt, None, random_calibration(), config, fmt, output, dtype="float16",
                               device="cpu", show_progress=False, **kwargs)
 
@@ -166,12 +167,12 @@ class _CrashAfter(StreamedLayers):
         super().load(index, layer)
 
 
-def _crash_at(source: Path, output: Path, config: QuantConfig, layer: int) -> None:
+def _crash_at(source: Path, output: Path, config: QuantConfig, layer: int, resume_interval: float = 0) -> None:
     model, ckpt = open_streamed_model(str(source), torch.float32)
     crashing = _CrashAfter(ckpt, get_adapter(model), torch.float32, crash_at=layer)
     with pytest.raises(_Crash):
         quantize_streaming(model, ckpt, None, random_calibration(), config, "gptq", output, device="cpu",
-                           show_progress=False, layer_source=crashing)
+                           show_progress=False, layer_source=crashing, resume_interval=resume_interval)
     assert not output.exists() and work_dir_for(output).is_dir()
 
 
@@ -199,6 +200,27 @@ def test_resume_matches_and_changed_settings_start_over(sharded, tmp_path, singl
         _streamed(sharded, config, "gptq", forced, resume=False)
     assert "starting over (--no-resume)" in caplog.text
     assert _digest(forced) == expected
+
+
+def test_outputs_saved_only_each_resume_interval_and_a_resume_redoes_the_layers_after_them(
+        sharded, tmp_path, single_thread, caplog) -> None:
+    """A long interval saves no hidden states in a short run: the layer files are kept, yet a resume can only
+    start at layer 0, says so, and still ends in the uninterrupted bytes; interval 0 keeps one file of them."""
+    config = CONFIGS["gptq"]
+    expected = _digest(_streamed(sharded, config, "gptq", tmp_path / "whole")[0])
+    out = tmp_path / "out"
+    _crash_at(sharded, out, config, layer=1, resume_interval=3600)
+    work = work_dir_for(out)
+    manifest = json.loads((work / "manifest.json").read_text())
+    assert manifest["hidden_at"] == 0 and len(manifest["layers"]) == 1 and not list(work.glob("hidden-*"))
+    with caplog.at_level(logging.WARNING, logger="quantkit"):
+        _, report = _streamed(sharded, config, "gptq", out)
+    assert "no layer's outputs were saved yet, layer 0 is redone" in caplog.text
+    assert _digest(out) == expected and [e["layer"] for e in report.layers] == [0, 1]
+
+    every = tmp_path / "every"
+    _crash_at(sharded, every, config, layer=1)
+    assert [f.name for f in work_dir_for(every).glob("hidden-*")] == ["hidden-00001.safetensors"]
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
@@ -238,7 +260,7 @@ def with_tokenizer(tmp_path_factory, smollm2_gguf) -> Path:
 def _command(source: Path, output: Path) -> list[str]:
     return [sys.executable, "-m", "quantkit", "quantize", str(source), "--method", "gptq", "--group-size", "32",
             "--format", "gptq", "--nsamples", "4", "--seqlen", "32", "--device", "cpu", "--no-eval",
-            "--output", str(output)]
+            "--resume-interval", "0", "--output", str(output)]
 
 
 def _env(pause: float) -> dict[str, str]:

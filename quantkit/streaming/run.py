@@ -38,7 +38,7 @@ from quantkit.outputs import apply_umask, check_output_target, replace_atomicall
 from quantkit.qtensor import QuantizationError
 from quantkit.streaming.checkpoint import SafetensorsCheckpoint
 from quantkit.streaming.skeleton import StreamedLayers, build_skeleton, load_outside_layers
-from quantkit.streaming.workdir import WorkDir, pause_between_phases, run_key, work_dir_for
+from quantkit.streaming.workdir import RESUME_INTERVAL_S, WorkDir, pause_between_phases, run_key, work_dir_for
 
 log = logging.getLogger("quantkit")
 
@@ -138,10 +138,12 @@ def quantize_streaming(
     show_progress: bool = True,
     layer_source: StreamedLayers | None = None,
     offload_dir: Path | None = None,
+    resume_interval: float = RESUME_INTERVAL_S,
 ) -> tuple[Path, QuantReport | None]:
     """Quantize the skeleton from open_streamed_model layer by layer and write the export at `output`.
 
     `offload_dir`: where the calibration hidden states go when neither the device nor the host holds them.
+    `resume_interval`: seconds between the saves of the hidden states a resume starts from (0: every layer).
     Returns the output and the report (None when an earlier run of the same command had already
     published the export and was stopped while cleaning up)."""
     fmt = get_format(fmt_name)
@@ -151,7 +153,7 @@ def quantize_streaming(
     torch_dtype = export_dtype(model, dtype)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     settings = _settings(config, fmt_name, torch_dtype, model, device, batch_size)
-    work = WorkDir(work_dir_for(output), run_key(ckpt.fingerprint(), settings, calib))
+    work = WorkDir(work_dir_for(output), run_key(ckpt.fingerprint(), settings, calib), resume_interval)
     if output.exists() and work.published():
         log.warning("%s already holds this run's export; removing the leftover %s", output, work.path)
         work.remove()
@@ -166,11 +168,15 @@ def quantize_streaming(
             pause_between_phases()
             work.save_layer(index, _layer_tensors(index, layer, adapter, fmt, torch_dtype), outputs, entry)
 
-        report = quantize_model(model, adapter, calib, config, device=device, batch_size=batch_size,
-                                show_progress=show_progress, layer_source=layer_source,
-                                on_layer_done=on_layer_done, start_layer=start,
-                                hidden_states=work.hidden_states(start) if start else None,
-                                offload_dir=offload_dir)
+        try:
+            report = quantize_model(model, adapter, calib, config, device=device, batch_size=batch_size,
+                                    show_progress=show_progress, layer_source=layer_source,
+                                    on_layer_done=on_layer_done, start_layer=start,
+                                    hidden_states=work.hidden_states(start) if start else None,
+                                    offload_dir=offload_dir)
+        except BaseException:
+            work.flush(raising=False)  # what finished before the failure stays for the resume
+            raise
         work.flush()
         report.layers = work.entries()
         report.fallbacks = [f"layer {e['layer']} {name}: {info['fallback']}" for e in report.layers

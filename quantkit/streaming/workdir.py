@@ -5,10 +5,12 @@ Layout of `.<output name>.quantkit-partial/`:
   manifest.json            run key (hashes of source, settings, calibration), finished layers with their
                            report entries and export tensor sizes; rewritten (atomically) last
   layer-00007.safetensors  layer 7's export tensors (packed linears, its norms) in the export dtype
-  hidden-00008.safetensors the calibration hidden states entering layer 8, exactly as computed
+  hidden-00008.safetensors the calibration hidden states entering layer 8, exactly as computed, saved at
+                           most every `resume_interval` seconds (a 70B layer's are 4 GiB: written after
+                           every layer, they made the run disk-bound); a resume starts at the last ones
 A layer counts as finished once the manifest says so: its files are renamed into place before the
 manifest, so a kill at any moment leaves either the previous or the next consistent state. A background
-thread writes each layer's files while the next layer computes (a 70B layer's hidden states are 4 GiB).
+thread writes each layer's files while the next layer computes.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ log = logging.getLogger("quantkit")
 
 MANIFEST = "manifest.json"
 VERSION = 1
+RESUME_INTERVAL_S = 300.0  # at most this much layer work is redone after a kill
 # Test-only (tests/test_streaming.py): at each step that writes the work folder or the export, say so
 # on stderr and sleep this many seconds, so that a seeded SIGKILL can land between any two writes.
 PAUSE_ENV = "QUANTKIT_TEST_PHASE_PAUSE"
@@ -73,9 +76,10 @@ def _replace_atomically(path: Path, write) -> None:
 
 
 class WorkDir:
-    def __init__(self, path: Path, key: dict[str, str]) -> None:
-        self.path, self.key = path, key
-        self.manifest: dict = {"version": VERSION, "key": key, "layers": [], "published": False}
+    def __init__(self, path: Path, key: dict[str, str], resume_interval: float = RESUME_INTERVAL_S) -> None:
+        self.path, self.key, self.resume_interval = path, key, resume_interval
+        self.manifest: dict = {"version": VERSION, "key": key, "layers": [], "hidden_at": 0, "published": False}
+        self._hidden_saved = time.monotonic()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-workdir")
         self._pending: Future | None = None
 
@@ -96,9 +100,15 @@ class WorkDir:
         previous = self._read_manifest() if self.path.exists() else None
         if previous is not None and resume and previous["key"] == self.key:
             self.manifest = previous
-            done = len(previous["layers"])
-            log.warning("resuming from %s: layers 0-%d are already quantized", self.path, done - 1)
-            return done
+            start = previous.setdefault("hidden_at", len(previous["layers"]))  # older runs saved every layer's
+            redone = len(previous["layers"]) - start
+            del previous["layers"][start:]
+            if start:
+                log.warning("resuming from %s: layers 0-%d are already quantized%s", self.path, start - 1,
+                            f" (the {redone} after them are redone: their inputs were not saved)" if redone else "")
+            else:
+                log.warning("resuming from %s: no layer's outputs were saved yet, layer 0 is redone", self.path)
+            return start
         if previous is not None:
             changed = [k for k in self.key if previous["key"].get(k) != self.key[k]]
             why = "--no-resume" if not resume else f"the {' and '.join(changed)} changed"
@@ -115,32 +125,46 @@ class WorkDir:
 
     def save_layer(self, index: int, tensors: dict[str, torch.Tensor], outputs: list[torch.Tensor],
                    entry: dict) -> None:
-        """Queues layer `index`'s export tensors (dict order kept in the manifest) and the hidden states it
-        produced for the writer thread, once the previous layer's are written. The hidden states are
-        copied here: the engine reuses their buffers."""
-        hidden = {f"batch.{j}": x.detach().to("cpu", copy=True).contiguous() for j, x in enumerate(outputs)}
+        """Queues layer `index`'s export tensors (dict order kept in the manifest), and the hidden states it
+        produced when `resume_interval` seconds passed since the last ones, for the writer thread, once the
+        previous layer's are written. The hidden states are copied here: the engine reuses their buffers."""
+        hidden = None
+        if time.monotonic() - self._hidden_saved >= self.resume_interval:
+            hidden = {f"batch.{j}": x.detach().to("cpu", copy=True).contiguous() for j, x in enumerate(outputs)}
+            self._hidden_saved = time.monotonic()
         self.flush()
         self._pending = self._writer.submit(self._commit_layer, index, tensors, hidden, entry)
 
-    def flush(self) -> None:
-        """Waits until the queued layer is committed; raises what writing it raised (a full disk, say)."""
+    def flush(self, *, raising: bool = True) -> None:
+        """Waits until the queued layer is committed; raises what writing it raised (a full disk, say), or
+        only logs it when the run failed already (`raising=False`)."""
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is None:
+            return
+        try:
             pending.result()
+        except Exception as err:
+            if raising:
+                raise
+            log.warning("the last finished layer could not be saved for a resume: %s", err)
 
-    def _commit_layer(self, index: int, tensors: dict[str, torch.Tensor], hidden: dict[str, torch.Tensor],
-                      entry: dict) -> None:
-        """The layer file, then the hidden states, then the manifest rewrite that commits them; the older
-        hidden states go last."""
+    def _commit_layer(self, index: int, tensors: dict[str, torch.Tensor],
+                      hidden: dict[str, torch.Tensor] | None, entry: dict) -> None:
+        """The layer file, then the hidden states if any, then the manifest rewrite that commits them; the
+        older hidden states go last."""
         _replace_atomically(self.layer_file(index), lambda p: save_file(tensors, p))
         pause_between_phases()
-        _replace_atomically(self._hidden_file(index + 1), lambda p: save_file(hidden, p))
-        pause_between_phases()
+        older = self.manifest["hidden_at"]
+        if hidden is not None:
+            _replace_atomically(self._hidden_file(index + 1), lambda p: save_file(hidden, p))
+            pause_between_phases()
+            self.manifest["hidden_at"] = index + 1
         specs = [[k, nbytes(v), str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()]
         self.manifest["layers"].append({"entry": entry, "tensors": specs})
         self._write_manifest()
         pause_between_phases()
-        self._hidden_file(index).unlink(missing_ok=True)
+        if hidden is not None:
+            self._hidden_file(older).unlink(missing_ok=True)
 
     def layer_file(self, index: int) -> Path:
         return self.path / f"layer-{index:05d}.safetensors"
