@@ -239,7 +239,8 @@ def test_every_candidate_tile_compiles_for_sm90_on_tensor_cores() -> None:
 
 
 def test_bench_moe_tiny_runs_on_the_cpu(tmp_path) -> None:
-    """benchmarks/bench_moe.py --tiny: every method's output checked against fp32 and the grouped kernel timed."""
+    """benchmarks/bench_moe.py --tiny: every method's output checked against fp32 (W4A8: its own int8 math) and the
+    grouped kernels timed, W4A16 with and without split K, W4A8."""
     import json
     import subprocess
     import sys
@@ -252,7 +253,9 @@ def test_bench_moe_tiny_runs_on_the_cpu(tmp_path) -> None:
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = json.loads((tmp_path / "results.json").read_text())["results"]
     assert [r["tokens"] for r in rows] == [1, 5]
+    ours = ("grouped", "grouped_splitk", "grouped_w4a8")
     for r in rows:
-        assert {"grouped", "dequant_loop", "fp16_loop"} <= set(r["times_us"])
-        assert all(e < 1e-2 for m, e in r["errors"].items() if m in ("grouped", "dequant_loop", "fp16_loop"))
+        assert {*ours, "dequant_loop", "fp16_loop"} <= set(r["times_us"])
+        assert all(e < 1e-2 for m, e in r["errors"].items() if m in (*ours, "dequant_loop", "fp16_loop"))
+        assert "SPLIT_K: 2" in r["best_config"]["grouped_splitk"]
     assert "| tiny | 5 |" in (tmp_path / "results.md").read_text()
