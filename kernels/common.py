@@ -456,6 +456,25 @@ def int8_tile(words, s, z, TWO_LEVEL: tl.constexpr):
     return tl.reshape(w, (words.shape[0] * 8, words.shape[1]))
 
 
+@triton.jit
+def without_zero_points(acc, z_ptr, xsum_ptr, rows, row_mask, offs_n, n_mask, first_split, HAS_ZEROS: tl.constexpr):
+    """Per-channel W4A8 on the raw codes: acc (int32, sum_k x q) -> sum_k x (q - z) = acc - z * sum_k x, with the
+    output's zero point (8 when symmetric) and the row's sum of int8 x; taken off once per output, by split 0."""
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + offs_n, mask=n_mask, other=0).to(tl.int32)
+    else:
+        z = tl.zeros_like(offs_n) + 8
+    xsum = tl.load(xsum_ptr + rows, mask=row_mask, other=0) * first_split.to(tl.int32)
+    return acc - xsum[:, None] * z[None, :]
+
+
+@triton.jit
+def expert_weights(expert, qw_ptr, s_ptr, z_ptr, N, K, GROUP: tl.constexpr):
+    """Expert `expert`'s packed words, scales and zero points in the stacked [E, ...] tensors (per channel, GROUP =
+    K: one row of each)."""
+    return qw_ptr + expert * (K // 8) * N, s_ptr + expert * (K // GROUP) * N, z_ptr + expert * (K // GROUP) * N
+
+
 # The grouped MoE GEMMs (moe_w4a16.py, moe_w4a8.py): the routed tokens' alignment, the stacked experts, the tiles and
 # K split, a program's rows, and the block forward they share.
 

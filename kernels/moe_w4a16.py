@@ -32,6 +32,7 @@ import triton.language as tl
 from .common import (
     AlignedTokens,
     StackedExperts,
+    expert_weights,
     group_rows,
     interpreting,
     moe_block_forward,
@@ -64,9 +65,7 @@ def _moe_w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, route_w_ptr, out_ptr, part_pt
     if expert < 0:
         return
     ROWS: tl.constexpr = BLOCK_K // 8
-    qw_ptr += expert * (K // 8) * N
-    s_ptr += expert * (K // GROUP) * N
-    z_ptr += expert * (K // GROUP) * N
+    qw_ptr, s_ptr, z_ptr = expert_weights(expert, qw_ptr, s_ptr, z_ptr, N, K, GROUP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(tl.program_id(1), K // BLOCK_K, SPLIT_K):
         k0 = t * BLOCK_K

@@ -27,6 +27,7 @@ import triton.language as tl
 from .common import (
     AlignedTokens,
     StackedExperts,
+    expert_weights,
     group_rows,
     int8_tile,
     moe_block_forward,
@@ -35,6 +36,7 @@ from .common import (
     quantize_rows,
     routed_reference,
     store_output,
+    without_zero_points,
 )
 from .layout import int8_tokens, unpack_along_rows
 from .spec import TileConfig
@@ -52,9 +54,7 @@ def _moe_w4a8_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, ro
         return
     ROWS: tl.constexpr = BLOCK_K // 8
     pid_k = tl.program_id(1)
-    qw_ptr += expert * (K // 8) * N
-    gs_ptr += expert * (K // GROUP) * N
-    z_ptr += expert * (K // GROUP) * N  # per channel: GROUP = K, one row of zero points
+    qw_ptr, gs_ptr, z_ptr = expert_weights(expert, qw_ptr, gs_ptr, z_ptr, N, K, GROUP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         k0 = t * BLOCK_K
@@ -67,13 +67,8 @@ def _moe_w4a8_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, ro
         else:
             s, z = 1.0, 0.0
         acc = tl.dot(x, int8_tile(words, s, z, TWO_LEVEL), acc, out_dtype=tl.int32)
-    if not TWO_LEVEL:  # zero point: sum_k x (q - z) = acc - z * sum_k x, once (split 0) per output
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + offs_n, mask=n_mask, other=0).to(tl.int32)
-        else:
-            z = tl.full((BLOCK_N,), 8, tl.int32)
-        xsum = tl.load(xsum_ptr + x_rows, mask=row_mask, other=0) * (pid_k == 0).to(tl.int32)
-        acc -= xsum[:, None] * z[None, :]
+    if not TWO_LEVEL:
+        acc = without_zero_points(acc, z_ptr, xsum_ptr, x_rows, row_mask, offs_n, n_mask, pid_k == 0, HAS_ZEROS)
     scale = tl.load(ts_ptr + x_rows, mask=row_mask, other=0.0)
     if MUL_ROUTED:
         scale *= tl.load(route_w_ptr + offs_row, mask=row_mask, other=0.0).to(tl.float32)

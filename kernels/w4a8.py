@@ -48,6 +48,7 @@ from .common import (
     store_output,
     tiled_candidates,
     unpacked_codes,
+    without_zero_points,
 )
 from .spec import M_BUCKETS, KernelSpec, TileConfig
 
@@ -92,13 +93,8 @@ def _w4a8_gemm_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, b
             x = tl.load(xq_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :],
                         mask=m_mask[:, None], other=0)
             acc = tl.dot(x, int8_tile(words, s, z, TWO_LEVEL), acc, out_dtype=tl.int32)
-    if not TWO_LEVEL:  # zero point: sum_k x (q - z) = acc - z * sum_k x, once (split 0) per output
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + offs_n, mask=n_mask, other=0).to(tl.int32)
-        else:
-            z = tl.full((BLOCK_N,), 8, tl.int32)
-        xsum = tl.load(xsum_ptr + offs_m, mask=m_mask, other=0) * (pid_k == 0).to(tl.int32)
-        acc -= xsum[:, None] * z[None, :]
+    if not TWO_LEVEL:
+        acc = without_zero_points(acc, z_ptr, xsum_ptr, offs_m, m_mask, offs_n, n_mask, pid_k == 0, HAS_ZEROS)
     ts = tl.load(ts_ptr + offs_m, mask=m_mask, other=0.0)
     cs = tl.load(cs_ptr + offs_n, mask=n_mask, other=0.0)
     out = acc.to(tl.float32) * ts[:, None] * cs[None, :]
