@@ -380,9 +380,10 @@ def main() -> int:
             rows.append(row)
             times = ", ".join(f"{m} {t:.1f}us" for m, t in row["times_us"].items())
             log(f"{name} tokens={tokens}: {times} [{time.time() - t_start:.0f}s]")
+            # both after every cell: a run cut off by its time limit keeps its table so far
             (args.out / "results.json").write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
+            (args.out / "results.md").write_text(markdown(meta, rows))
         del layer
-    (args.out / "results.md").write_text(markdown(meta, rows))
     failures = sum(isinstance(e, float) and e > TOLERANCE for r in rows for e in r["errors"].values())
     failures += sum(m not in r["times_us"] for r in rows for m in ("grouped", "grouped_w4a8"))
     log(f"{failures} failures")

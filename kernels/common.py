@@ -2,7 +2,8 @@
 snippets and the jit helpers built on them, the split-K output store with its buffers and tile counters, the gemv
 programs' loads, programmatic-dependent-launch arguments, the per-token int8 quantization of activations that
 every W4A8 kernel runs first (`quantize_rows`), and what the grouped MoE GEMMs share (the routed tokens' alignment,
-the stacked experts, tiles, K split and block forward). The Gluon (Hopper) kernels' own helpers are in gluon_common.py."""
+the stacked experts, tiles, K split and block forward). The Gluon (Hopper) kernels' own helpers are in
+gluon_common.py."""
 
 from __future__ import annotations
 

@@ -54,11 +54,12 @@ def _dequant_codes(words, s, z, DTYPE: tl.constexpr):
     return tl.reshape(w, (words.shape[0] * 8, words.shape[1]))
 
 
-@triton.jit
+# SPLIT_K at run time: one compile serves every split (IS_SPLIT picks the store); unsplit loops step by a constant
+@triton.jit(do_not_specialize=["SPLIT_K"])
 def _moe_w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, route_w_ptr, out_ptr, part_ptr, count_ptr, sorted_rows_ptr,
                       block_expert_ptr, N, K, rows, X_ROW_DIV: tl.constexpr, GROUP: tl.constexpr,
                       HAS_ZEROS: tl.constexpr, MUL_ROUTED: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K, IS_SPLIT: tl.constexpr,
                       UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     expert, tile, offs_row, row_mask, x_rows, offs_n, n_mask = moe_program(
         block_expert_ptr, sorted_rows_ptr, N, rows, X_ROW_DIV, BLOCK_M, BLOCK_N)
@@ -67,7 +68,8 @@ def _moe_w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, route_w_ptr, out_ptr, part_pt
     ROWS: tl.constexpr = BLOCK_K // 8
     qw_ptr, s_ptr, z_ptr = expert_weights(expert, qw_ptr, s_ptr, z_ptr, N, K, GROUP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in range(tl.program_id(1), K // BLOCK_K, SPLIT_K):
+    pid_k = tl.program_id(1)
+    for t in range(pid_k, K // BLOCK_K, SPLIT_K if IS_SPLIT else 1):
         k0 = t * BLOCK_K
         x = tl.load(x_ptr + x_rows[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=row_mask[:, None],
                     other=0.0)
@@ -80,8 +82,8 @@ def _moe_w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, route_w_ptr, out_ptr, part_pt
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if MUL_ROUTED:
         acc *= tl.load(route_w_ptr + offs_row, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    store_output(acc, out_ptr, part_ptr, count_ptr, out_ptr, offs_row, offs_n, rows, N, tl.program_id(1), tile,
-                 SPLIT_K, SPLIT_K > 1, False)
+    store_output(acc, out_ptr, part_ptr, count_ptr, out_ptr, offs_row, offs_n, rows, N, pid_k, tile, SPLIT_K,
+                 IS_SPLIT, False)
 
 
 def moe_w4a16_matmul(x: torch.Tensor, experts: StackedExperts, aligned: AlignedTokens, config: TileConfig,
@@ -99,7 +101,8 @@ def moe_w4a16_matmul(x: torch.Tensor, experts: StackedExperts, aligned: AlignedT
         aligned.sorted_rows, aligned.block_expert, n, k, aligned.rows, X_ROW_DIV=aligned.rows // x.shape[0],
         GROUP=experts.group_size, HAS_ZEROS=experts.zeros is not None, MUL_ROUTED=routing_weights is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
-        UPCAST_DOT=upcast, DOT_PRECISION="ieee" if upcast else "tf32",  # tf32: the default, moot for 16-bit x
+        IS_SPLIT=config.split_k > 1, UPCAST_DOT=upcast,
+        DOT_PRECISION="ieee" if upcast else "tf32",  # tf32: the default, moot for 16-bit x
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 

@@ -42,12 +42,13 @@ from .layout import int8_tokens, unpack_along_rows
 from .spec import TileConfig
 
 
-@triton.jit
+# SPLIT_K at run time: one compile serves every split (IS_SPLIT picks the store); unsplit loops step by a constant
+@triton.jit(do_not_specialize=["SPLIT_K"])
 def _moe_w4a8_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, route_w_ptr, out_ptr, part_ptr,
                      count_ptr, sorted_rows_ptr, block_expert_ptr, N, K, rows, X_ROW_DIV: tl.constexpr,
                      GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
                      MUL_ROUTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, SPLIT_K, IS_SPLIT: tl.constexpr):
     expert, tile, offs_row, row_mask, x_rows, offs_n, n_mask = moe_program(
         block_expert_ptr, sorted_rows_ptr, N, rows, X_ROW_DIV, BLOCK_M, BLOCK_N)
     if expert < 0:
@@ -56,7 +57,7 @@ def _moe_w4a8_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, ro
     pid_k = tl.program_id(1)
     qw_ptr, gs_ptr, z_ptr = expert_weights(expert, qw_ptr, gs_ptr, z_ptr, N, K, GROUP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+    for t in range(pid_k, K // BLOCK_K, SPLIT_K if IS_SPLIT else 1):
         k0 = t * BLOCK_K
         x = tl.load(xq_ptr + x_rows[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=row_mask[:, None],
                     other=0)
@@ -74,7 +75,7 @@ def _moe_w4a8_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, ro
         scale *= tl.load(route_w_ptr + offs_row, mask=row_mask, other=0.0).to(tl.float32)
     cs = tl.load(cs_ptr + expert * N + offs_n, mask=n_mask, other=0.0)
     store_output(acc.to(tl.float32) * scale[:, None] * cs[None, :], out_ptr, part_ptr, count_ptr, out_ptr, offs_row,
-                 offs_n, rows, N, pid_k, tile, SPLIT_K, SPLIT_K > 1, False)
+                 offs_n, rows, N, pid_k, tile, SPLIT_K, IS_SPLIT, False)
 
 
 def moe_w4a8_matmul(x: torch.Tensor, experts: StackedExperts, aligned: AlignedTokens, config: TileConfig,
@@ -95,7 +96,7 @@ def moe_w4a8_matmul(x: torch.Tensor, experts: StackedExperts, aligned: AlignedTo
         aligned.block_expert, n, k, aligned.rows, X_ROW_DIV=aligned.rows // x.shape[0], GROUP=experts.group_size,
         TWO_LEVEL=two_level, HAS_ZEROS=experts.zeros is not None, MUL_ROUTED=routing_weights is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        IS_SPLIT=config.split_k > 1, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 

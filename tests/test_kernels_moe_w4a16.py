@@ -218,10 +218,10 @@ for dtype, zeros, routed, (bm, bn, bk, warps, stages), split in builds:
            "out_ptr": "*" + dtype, "part_ptr": "*fp32", "count_ptr": "*i32", "sorted_rows_ptr": "*i32",
            "block_expert_ptr": "*i32", "N": "i32", "K": "i32", "rows": "i32", "X_ROW_DIV": "constexpr",
            "GROUP": "constexpr", "HAS_ZEROS": "constexpr", "MUL_ROUTED": "constexpr", "BLOCK_M": "constexpr",
-           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "UPCAST_DOT": "constexpr",
-           "DOT_PRECISION": "constexpr"}
+           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "i32", "IS_SPLIT": "constexpr",
+           "UPCAST_DOT": "constexpr", "DOT_PRECISION": "constexpr"}
     consts = {"X_ROW_DIV": 1 if routed else 8, "GROUP": 128, "HAS_ZEROS": zeros, "MUL_ROUTED": routed,
-              "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "UPCAST_DOT": False,
+              "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "IS_SPLIT": split > 1, "UPCAST_DOT": False,
               "DOT_PRECISION": "tf32"}
     kernel = compile(ASTSource(fn=_moe_w4a16_kernel, signature=sig, constexprs=consts),
                      target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})

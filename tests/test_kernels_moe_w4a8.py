@@ -140,9 +140,9 @@ for (bm, bn, bk, warps, stages), two_level, zeros, split in builds:
            "count_ptr": "*i32", "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32", "N": "i32", "K": "i32",
            "rows": "i32", "X_ROW_DIV": "constexpr", "GROUP": "constexpr", "TWO_LEVEL": "constexpr",
            "HAS_ZEROS": "constexpr", "MUL_ROUTED": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-           "BLOCK_K": "constexpr", "SPLIT_K": "constexpr"}
+           "BLOCK_K": "constexpr", "SPLIT_K": "i32", "IS_SPLIT": "constexpr"}
     consts = {"X_ROW_DIV": 8, "GROUP": 128 if two_level else 4096, "TWO_LEVEL": two_level, "HAS_ZEROS": zeros,
-              "MUL_ROUTED": split > 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}
+              "MUL_ROUTED": split > 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "IS_SPLIT": split > 1}
     kernel = compile(ASTSource(fn=_moe_w4a8_kernel, signature=sig, constexprs=consts),
                      target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     ptx = kernel.asm["ptx"]
