@@ -54,8 +54,9 @@ def _dequant_codes(words, s, z, DTYPE: tl.constexpr):
     return tl.reshape(w, (words.shape[0] * 8, words.shape[1]))
 
 
-# SPLIT_K at run time: one compile serves every split (IS_SPLIT picks the store); unsplit loops step by a constant
-@triton.jit(do_not_specialize=["SPLIT_K"])
+# rows and SPLIT_K unspecialized: one compile serves every token count and split (IS_SPLIT picks the store; unsplit
+# loops step by a constant)
+@triton.jit(do_not_specialize=["rows", "SPLIT_K"])
 def _moe_w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, route_w_ptr, out_ptr, part_ptr, count_ptr, sorted_rows_ptr,
                       block_expert_ptr, N, K, rows, X_ROW_DIV: tl.constexpr, GROUP: tl.constexpr,
                       HAS_ZEROS: tl.constexpr, MUL_ROUTED: tl.constexpr, BLOCK_M: tl.constexpr,

@@ -42,8 +42,9 @@ from .layout import int8_tokens, unpack_along_rows
 from .spec import TileConfig
 
 
-# SPLIT_K at run time: one compile serves every split (IS_SPLIT picks the store); unsplit loops step by a constant
-@triton.jit(do_not_specialize=["SPLIT_K"])
+# rows and SPLIT_K unspecialized: one compile serves every token count and split (IS_SPLIT picks the store; unsplit
+# loops step by a constant)
+@triton.jit(do_not_specialize=["rows", "SPLIT_K"])
 def _moe_w4a8_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, route_w_ptr, out_ptr, part_ptr,
                      count_ptr, sorted_rows_ptr, block_expert_ptr, N, K, rows, X_ROW_DIV: tl.constexpr,
                      GROUP: tl.constexpr, TWO_LEVEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
