@@ -125,6 +125,16 @@ def test_one_level_group_scales_keep_the_loop() -> None:
     assert model.model.layers[0].mlp.grouped_experts() is None
 
 
+def test_two_level_weights_outside_int8_keep_the_loop() -> None:
+    """A QQQ expert whose (q - z) * group_scale leaves int8 (QQQ's kernel would wrap it) sends the block to its loop."""
+    model = quantized_tiny_moe("mixtral", sym=True, act_bits=8, method="qqq", group_size=32).to(torch.float16)
+    block = model.model.layers[0].mlp
+    assert block.grouped_experts() is not None
+    block.release_grouped()
+    block.experts[1].down_proj.scales.fill_(20)  # (0 - 8) * 20 = -160
+    assert block.grouped_experts() is None
+
+
 MOE_W4A8_COMPILE = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
