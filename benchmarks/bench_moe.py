@@ -1,4 +1,4 @@
-"""The grouped W4A16 MoE kernel (kernels/moe_w4a16.py) against the per-expert loops, on MoE expert shapes.
+"""The grouped MoE kernels (kernels/moe_w4a16.py, moe_w4a8.py) against per-expert loops, on MoE expert shapes.
 
     source benchmarks/device_env.sh; QUANTKIT_COMMIT=<commit> python benchmarks/bench_moe.py --out DIR
     python benchmarks/bench_moe.py --tiny --out /tmp/moe   # CPU: Triton's interpreter, a tiny shape, no timings worth reading
@@ -8,14 +8,19 @@ Qwen3-30B-A3B's (128 experts, top-8, hidden 2048, moe_intermediate 768) or Mixtr
 hidden 4096, intermediate 14336), int4 g128 symmetric, fp16 activations. Timed, each the median replay of one CUDA
 graph of CALLS calls, each on its own random routing and input (the layer's packed experts are larger than L2, so
 a call seldom finds its experts cached), divided by CALLS:
-  grouped      moe_w4a16_forward: token alignment + 2 grouped launches + SiLU; the best of a few BLOCK_M/N/K
-               configs for the cell (every candidate's time is in the JSON);
-  dequant_loop per routed expert: dequantize (kernels.w4a16.dequantize) + cuBLAS, gate/up then down;
-  fp16_loop    per routed expert: F.linear on the fp16 experts (the dequantized weights);
-  grouped_mm   torch._grouped_mm on the fp16 experts, where this torch and GPU have it;
-  vllm         vLLM's fused_experts (Triton fused_moe) on the fp16 experts, where vllm is importable.
+  grouped        moe_w4a16_forward: token alignment + 2 grouped launches + SiLU, K unsplit; the best of a few
+                 BLOCK_M/N/K configs for the cell (every candidate's time is in the JSON);
+  grouped_splitk the same configs with K split (common.with_moe_split's rule, at least 2 where K has the tiles;
+                 configs neither projection can split are left out);
+  grouped_w4a8   moe_w4a8_forward on the same codes as QQQ's two-level W4A8 (integer group scales, fp32 channel
+                 scales; per-token int8 activations), its configs at the rule's split;
+  dequant_loop   per routed expert: dequantize (kernels.w4a16.dequantize) + cuBLAS, gate/up then down;
+  fp16_loop      per routed expert: F.linear on the fp16 experts (the dequantized weights);
+  grouped_mm     torch._grouped_mm on the fp16 experts, where this torch and GPU have it;
+  vllm           vLLM's fused_experts (Triton fused_moe) on the fp16 experts, where vllm is importable.
 The loops get each call's routing split per expert on the host beforehand (no routing cost in their time). Every
-method's output is checked first against a float32 reference (the per-expert loop in fp32 on the same weights).
+method's output is checked first against a float32 reference: the per-expert loop in fp32 on the same weights (for
+W4A8, its int8 weights times the channel scales, on the per-token int8 activations).
 Writes results.json and results.md (date, device, command, commit) into --out.
 """
 
@@ -38,8 +43,12 @@ import torch.nn.functional as F
 if "--tiny" in sys.argv and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are decorated at import
 
-from quantkit.kernels.moe_w4a16 import StackedExperts, moe_candidates, moe_w4a16_forward  # noqa: E402
+from quantkit.kernels.common import StackedExperts, moe_candidates, with_moe_split  # noqa: E402
+from quantkit.kernels.layout import int8_tokens  # noqa: E402
+from quantkit.kernels.moe_w4a8 import moe_w4a8_forward  # noqa: E402
+from quantkit.kernels.moe_w4a16 import moe_w4a16_forward  # noqa: E402
 from quantkit.kernels.spec import TileConfig  # noqa: E402
+from quantkit.kernels.w4a8 import int8_weight  # noqa: E402
 from quantkit.kernels.w4a16 import dequantize  # noqa: E402
 
 
@@ -53,7 +62,7 @@ class MoeShape:
 
 SHAPES = {"Qwen3-30B-A3B": MoeShape(128, 8, 2048, 768), "Mixtral-8x7B": MoeShape(8, 2, 4096, 14336)}
 TOKENS = (1, 16, 64, 256)
-TINY_SHAPES, TINY_TOKENS = {"tiny": MoeShape(4, 2, 64, 64)}, (1, 5)
+TINY_SHAPES, TINY_TOKENS = {"tiny": MoeShape(4, 2, 64, 128)}, (1, 5)  # down: two K tiles of 64 to split
 CALLS = 8
 TOLERANCE = 1e-2  # fp16 rounding of the gate/up output and of the result
 DTYPE = torch.float16
@@ -61,13 +70,14 @@ DTYPE = torch.float16
 
 @dataclass
 class Layer:
-    """One MoE layer's experts: packed (gate and up stacked along N, gate first) and the same weights in fp16,
-    [E, N, K] as F.linear and vLLM's fused_moe take them."""
+    """One MoE layer's experts: packed (gate and up stacked along N, gate first), the same weights in fp16, [E, N, K]
+    as F.linear and vLLM's fused_moe take them, and W4A8 experts on the same codes."""
 
     gate_up: StackedExperts
     down: StackedExperts
     gate_up_w: torch.Tensor
     down_w: torch.Tensor
+    w4a8: tuple[StackedExperts, StackedExperts]
 
 
 def random_stacked(experts: int, k: int, n: int, group: int, device: str) -> StackedExperts:
@@ -75,6 +85,16 @@ def random_stacked(experts: int, k: int, n: int, group: int, device: str) -> Sta
     qweight = torch.randint(-2**31, 2**31, (experts, k // 8, n), dtype=torch.int32, device=device)
     scales = (0.002 + 0.01 * torch.rand(experts, k // group, n, device=device)).to(DTYPE)
     return StackedExperts(qweight, scales, None, group)
+
+
+def two_level(experts: StackedExperts) -> StackedExperts:
+    """The same codes as QQQ's two-level W4A8, symmetric: integer group scales 1..8 ((q - 8) * s stays in int8) and
+    fp32 channel scales that keep the weights near the W4A16 ones' size."""
+    e, _, n = experts.shape
+    device = experts.qweight.device
+    group_scales = torch.randint(1, 9, experts.scales.shape, device=device).to(DTYPE)
+    channel = 0.0005 + 0.002 * torch.rand(e, n, device=device)
+    return StackedExperts(experts.qweight, group_scales, None, experts.group_size, channel)
 
 
 def dequantized(experts: StackedExperts) -> torch.Tensor:
@@ -86,7 +106,7 @@ def dequantized(experts: StackedExperts) -> torch.Tensor:
 def random_layer(shape: MoeShape, group: int, device: str) -> Layer:
     gate_up = random_stacked(shape.experts, shape.hidden, 2 * shape.inter, group, device)
     down = random_stacked(shape.experts, shape.inter, shape.hidden, group, device)
-    return Layer(gate_up, down, dequantized(gate_up), dequantized(down))
+    return Layer(gate_up, down, dequantized(gate_up), dequantized(down), (two_level(gate_up), two_level(down)))
 
 
 def routing(tokens: int, shape: MoeShape, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,6 +183,22 @@ def reference(layer: Layer, x: torch.Tensor, ids: torch.Tensor, weights: torch.T
     return expert_loop(x.float(), ids, weights.float(), lambda e, proj, rows: rows @ dense[proj][e].float().t())()
 
 
+def w4a8_reference(layer: Layer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The per-expert loop in fp32 of the W4A8 experts: each row's int8 codes times its scale (layout.int8_tokens),
+    times the expert's int8 weight (kernels.w4a8.int8_weight) times its channel scales. The gate/up output and the
+    down input are rounded to fp16 as the kernel's are: the down input's int8 codes are then the kernel's but for
+    rare ties, not a share of codes one off that grows the error with the shape."""
+
+    def linear(e: int, proj: int, rows: torch.Tensor) -> torch.Tensor:
+        s = layer.w4a8[proj]
+        codes, scale = int8_tokens(rows.to(DTYPE))
+        w = int8_weight(s.qweight[e], s.scales[e], None, s.group_size).float() * s.channel_scales[e][:, None]
+        out = (codes.float() * scale) @ w.t()
+        return out.to(DTYPE).float() if proj == 0 else out
+
+    return expert_loop(x.float(), ids, weights.float(), linear)()
+
+
 def timer(calls: list[Callable[[], torch.Tensor]]) -> float:
     """Seconds per call: CUDA-graph replays on a GPU; on the CPU (--tiny) a wall-clock median, only a smoke test."""
     if torch.cuda.is_available():
@@ -192,12 +228,46 @@ def no_host_sync() -> Iterator[None]:
 
 
 def grouped_configs(shape: MoeShape, tokens: int, group: int) -> list[tuple[TileConfig, TileConfig]]:
-    """(gate/up, down) configs to try: gate/up's candidates for this many rows per expert that fit down too."""
+    """(gate/up, down) configs to try, unsplit: gate/up's candidates for this many rows per expert that fit down too."""
     per_expert = tokens * shape.top_k / shape.experts
     fits_down = moe_candidates(per_expert, shape.inter, shape.hidden, group)
     return [(c, replace(c, block_n=min(c.block_n, shape.hidden)))
             for c in moe_candidates(per_expert, shape.hidden, 2 * shape.inter, group)
             if replace(c, block_n=min(c.block_n, shape.hidden)) in fits_down]
+
+
+def split_configs(shape: MoeShape, tokens: int, configs: tuple[TileConfig, TileConfig], least: int = 1
+                  ) -> tuple[TileConfig, TileConfig]:
+    """The configs at with_moe_split's K split, raised to `least` where K has a tile per split for it."""
+    rows = tokens * shape.top_k
+    split = []
+    for config, (k, n) in zip(configs, ((shape.hidden, 2 * shape.inter), (shape.inter, shape.hidden)), strict=True):
+        config = with_moe_split(config, rows, shape.experts, k, n)
+        split.append(config.with_split(least) if config.split_k < least <= k // config.block_k else config)
+    return split[0], split[1]
+
+
+GroupedForward = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GroupedMethod:
+    """A grouped kernel as a benchmark method: its block forward, its experts and the configs it is timed at."""
+
+    forward: GroupedForward
+    experts: tuple[StackedExperts, StackedExperts]
+    configs: list[tuple[TileConfig, TileConfig]]
+
+
+def grouped_methods(layer: Layer, shape: MoeShape, tokens: int) -> dict[str, GroupedMethod]:
+    base = grouped_configs(shape, tokens, layer.gate_up.group_size)
+    split = [split_configs(shape, tokens, configs, least=2) for configs in base]
+    methods = {"grouped": GroupedMethod(moe_w4a16_forward, (layer.gate_up, layer.down), base),
+               "grouped_splitk": GroupedMethod(moe_w4a16_forward, (layer.gate_up, layer.down),
+                                               [c for c in split if c not in base]),
+               "grouped_w4a8": GroupedMethod(moe_w4a8_forward, layer.w4a8,
+                                             [split_configs(shape, tokens, configs) for configs in base])}
+    return {name: method for name, method in methods.items() if method.configs}
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -206,59 +276,80 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def bench_cell(name: str, shape: MoeShape, tokens: int, layer: Layer, device: str, log) -> dict:
     inputs = [routing(tokens, shape, device) for _ in range(CALLS if device == "cuda" else 1)]
-    ref = reference(layer, *inputs[0])
+    refs = {"fp16": reference(layer, *inputs[0]), "w4a8": w4a8_reference(layer, *inputs[0])}
     row: dict = dict(shape=name, tokens=tokens, experts=shape.experts, top_k=shape.top_k, hidden=shape.hidden,
-                     inter=shape.inter, errors={}, times_us={}, grouped_configs={})
+                     inter=shape.inter, errors={}, times_us={}, configs={}, best_config={})
     per_input = [method_calls(layer, *args) for args in inputs]
     for method in per_input[0]:
         try:
             with no_host_sync():  # a method that syncs would break the CUDA-graph capture: it is reported instead
                 out = per_input[0][method]()
-            row["errors"][method] = relative_error(out, ref)
+            row["errors"][method] = relative_error(out, refs["fp16"])
             row["times_us"][method] = 1e6 * timer([calls[method] for calls in per_input])
         except Exception as error:  # noqa: BLE001 (an optional baseline that this torch / GPU lacks)
             row["errors"][method] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-    for configs in grouped_configs(shape, tokens, layer.gate_up.group_size):
-        key = json.dumps(configs[0].as_dict()).replace('"', "")
-
-        def grouped(args, configs=configs):
-            return lambda: moe_w4a16_forward(*args, layer.gate_up, layer.down, F.silu, configs)
-
-        with no_host_sync():
-            out = grouped(inputs[0])()
-        err = relative_error(out, ref)
-        if err > TOLERANCE:
-            log(f"FAIL {name} tokens={tokens} grouped {key}: relative error {err:.2e}")
-            row["errors"][f"grouped {key}"] = err
-            continue
-        row["grouped_configs"][key] = 1e6 * timer([grouped(args) for args in inputs])
-        row["errors"]["grouped"] = max(err, row["errors"].get("grouped", 0.0))
-    if row["grouped_configs"]:
-        best = min(row["grouped_configs"], key=row["grouped_configs"].get)
-        row["times_us"]["grouped"], row["best_config"] = row["grouped_configs"][best], best
+    for method, grouped in grouped_methods(layer, shape, tokens).items():
+        ref = refs["w4a8" if grouped.forward is moe_w4a8_forward else "fp16"]
+        times = time_grouped(grouped, inputs, ref, row["errors"], method, log, f"{name} tokens={tokens}")
+        row["configs"][method] = times
+        if times:
+            row["best_config"][method] = best = min(times, key=times.get)
+            row["times_us"][method] = times[best]
     return row
 
 
+def time_grouped(grouped: GroupedMethod, inputs: list, ref: torch.Tensor, errors: dict, method: str, log,
+                 cell: str) -> dict[str, float]:
+    """Microseconds per call of each of the method's configs whose output passes the check (a failing one is
+    logged and its error recorded under "method config"); the largest passing error recorded under `method`."""
+    times = {}
+    for configs in grouped.configs:
+        key = "/".join(json.dumps(c.as_dict()).replace('"', "") if i == 0 else f"down SPLIT_K: {c.split_k}"
+                       for i, c in enumerate(configs))
+
+        def call(args, configs=configs):
+            return lambda: grouped.forward(*args, *grouped.experts, F.silu, configs)
+
+        with no_host_sync():
+            out = call(inputs[0])()
+        err = relative_error(out, ref)
+        if err > TOLERANCE:
+            log(f"FAIL {cell} {method} {key}: relative error {err:.2e}")
+            errors[f"{method} {key}"] = err
+            continue
+        times[key] = 1e6 * timer([call(args) for args in inputs])
+        errors[method] = max(err, errors.get(method, 0.0))
+    return times
+
+
+OURS = ("grouped", "grouped_splitk", "grouped_w4a8")
+BASELINES = ("dequant_loop", "fp16_loop", "grouped_mm", "vllm")
+
+
 def speedups(row: dict) -> dict[str, float]:
-    """The grouped kernel's speedup over every other method timed in the cell."""
-    ours = row["times_us"].get("grouped")
-    return {m: t / ours for m, t in row["times_us"].items() if ours and m != "grouped"}
+    """Each grouped method's speedup over the per-expert loops, and split K's over the unsplit kernel."""
+    times = row["times_us"]
+    pairs = [(ours, base) for ours in OURS for base in ("dequant_loop", "fp16_loop")] + [("grouped_splitk", "grouped")]
+    return {f"{ours} vs {base}": times[base] / times[ours] for ours, base in pairs if ours in times and base in times}
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
-    methods = ["grouped", "dequant_loop", "fp16_loop", "grouped_mm", "vllm"]
-    lines = [f"# Grouped W4A16 MoE kernel: {meta['device']}", "",
+    methods = OURS + BASELINES
+    ratios = ["grouped_splitk vs grouped", "grouped vs fp16_loop", "grouped_splitk vs fp16_loop",
+              "grouped_w4a8 vs fp16_loop", "grouped_w4a8 vs dequant_loop"]
+    lines = [f"# Grouped MoE kernels: {meta['device']}", "",
              f"{meta['date']}, commit {meta['commit']}, `{meta['command']}`, int4 g{meta['group']} sym, fp16, "
              f"median of CUDA-graph replays of {CALLS} calls each on its own routing.", "",
-             "| shape | tokens | " + " | ".join(f"{m} us" for m in methods) + " | vs dequant_loop | vs fp16_loop "
-             "| grouped config | failures |", "|" + "---|" * (len(methods) + 6)]
+             "| shape | tokens | " + " | ".join(f"{m} us" for m in methods) + " | " + " | ".join(ratios)
+             + " | best configs | failures |", "|" + "---|" * (len(methods) + len(ratios) + 4)]
     for r in rows:
         times, up = r["times_us"], speedups(r)
         failed = [m for m, e in r["errors"].items() if isinstance(e, str) or e > TOLERANCE]
+        best = "; ".join(f"{m}: {c}" for m, c in r["best_config"].items())
         lines.append(f"| {r['shape']} | {r['tokens']} | "
-                     + " | ".join(f"{times[m]:.1f}" if m in times else "-" for m in methods)
-                     + f" | {up.get('dequant_loop', 0):.2f}x | {up.get('fp16_loop', 0):.2f}x"
-                     + f" | {r.get('best_config', '-')} | {', '.join(failed) or '-'} |")
+                     + " | ".join(f"{times[m]:.1f}" if m in times else "-" for m in methods) + " | "
+                     + " | ".join(f"{up[ratio]:.2f}x" if ratio in up else "-" for ratio in ratios)
+                     + f" | {best or '-'} | {', '.join(failed) or '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -288,12 +379,13 @@ def main() -> int:
             row = bench_cell(name, shape, tokens, layer, device, log)
             rows.append(row)
             times = ", ".join(f"{m} {t:.1f}us" for m, t in row["times_us"].items())
-            log(f"{name} tokens={tokens}: {times} [{time.time() - t_start:.0f}s] {row.get('best_config', '')}")
+            log(f"{name} tokens={tokens}: {times} [{time.time() - t_start:.0f}s]")
+            # both after every cell: a run cut off by its time limit keeps its table so far
             (args.out / "results.json").write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
+            (args.out / "results.md").write_text(markdown(meta, rows))
         del layer
-    (args.out / "results.md").write_text(markdown(meta, rows))
     failures = sum(isinstance(e, float) and e > TOLERANCE for r in rows for e in r["errors"].values())
-    failures += sum("grouped" not in r["times_us"] for r in rows)
+    failures += sum(m not in r["times_us"] for r in rows for m in ("grouped", "grouped_w4a8"))
     log(f"{failures} failures")
     return int(failures > 0)
 

@@ -11,8 +11,9 @@ The package, from the ground up (a module imports only those above it; the house
   spec.py          TileConfig, Problem, KernelSpec, the split heuristics: plain Python
   common.py        the Triton kernels' shared helpers; gluon_common.py the Gluon (Hopper) ones
   w4a16*.py, w4a8*.py  one kernel family each, declaring its KernelSpecs (SPECS); none imports another
-  moe_w4a16.py     the grouped W4A16 GEMM over an MoE layer's routed tokens (every expert in one launch) and the
-                   block forward quantkit.models.moe runs on CUDA; outside the dense registry, its own candidates
+  moe_w4a16.py, moe_w4a8.py  the grouped W4A16 / W4A8 GEMMs over an MoE layer's routed tokens (every expert in
+                   one launch) and the block forwards quantkit.models.moe runs on CUDA (registry.MOE_FORWARDS);
+                   outside the dense registry, their own candidates (common.py)
   registry.py      every kernel's spec, the one list; autotune.py the tuner's candidates and cache over it
 """
 

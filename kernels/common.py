@@ -1,13 +1,16 @@
 """What the Triton kernels share (every kernel file imports this; no kernel file imports another): inline-PTX
 snippets and the jit helpers built on them, the split-K output store with its buffers and tile counters, the gemv
-programs' loads, programmatic-dependent-launch arguments, and the per-token int8 quantization of activations that
-every W4A8 kernel runs first (`quantize_rows`). The Gluon (Hopper) kernels' own helpers are in gluon_common.py."""
+programs' loads, programmatic-dependent-launch arguments, the per-token int8 quantization of activations that
+every W4A8 kernel runs first (`quantize_rows`), and what the grouped MoE GEMMs share (the routed tokens' alignment,
+the stacked experts, tiles, K split and block forward). The Gluon (Hopper) kernels' own helpers are in
+gluon_common.py."""
 
 from __future__ import annotations
 
 import functools
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -15,7 +18,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .layout import CHUNK
-from .spec import Problem, TileConfig, gemv_config, tile_config, with_half_split
+from .spec import Problem, TileConfig, gemv_config, split_k_for, tile_config, with_half_split
 
 CHUNK_TL = tl.constexpr(CHUNK)
 
@@ -439,3 +442,208 @@ def require_symmetric(zeros: torch.Tensor | None, kernel: str) -> None:
     """The W4A8 swap layout holds q - 8: a kernel reading it takes symmetric weights only (zeros None)."""
     if zeros is not None:
         raise ValueError(f"{kernel}: symmetric weights only (the swap layout holds q - 8), got zero points")
+
+
+@triton.jit
+def int8_tile(words, s, z, TWO_LEVEL: tl.constexpr):
+    """Packed words [R, BN] -> int8 [8R, BN]: raw codes, or QQQ's rne((q - z) * group_scale)."""
+    shifts = tl.arange(0, 8) * 4
+    codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+    if TWO_LEVEL:
+        q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC_F32 + z[:, None, :])
+        w = ((q * s[:, None, :] + ROUND_F32) - ROUND_F32).to(tl.int8)  # an exact integer by now
+    else:
+        w = codes.to(tl.int8)
+    return tl.reshape(w, (words.shape[0] * 8, words.shape[1]))
+
+
+@triton.jit
+def without_zero_points(acc, z_ptr, xsum_ptr, rows, row_mask, offs_n, n_mask, first_split, HAS_ZEROS: tl.constexpr):
+    """Per-channel W4A8 on the raw codes: acc (int32, sum_k x q) -> sum_k x (q - z) = acc - z * sum_k x, with the
+    output's zero point (8 when symmetric) and the row's sum of int8 x; taken off once per output, by split 0."""
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + offs_n, mask=n_mask, other=0).to(tl.int32)
+    else:
+        z = tl.zeros_like(offs_n) + 8
+    xsum = tl.load(xsum_ptr + rows, mask=row_mask, other=0) * first_split.to(tl.int32)
+    return acc - xsum[:, None] * z[None, :]
+
+
+@triton.jit
+def expert_weights(expert, qw_ptr, s_ptr, z_ptr, N, K, GROUP: tl.constexpr):
+    """Expert `expert`'s packed words, scales and zero points in the stacked [E, ...] tensors (per channel, GROUP =
+    K: one row of each)."""
+    return qw_ptr + expert * (K // 8) * N, s_ptr + expert * (K // GROUP) * N, z_ptr + expert * (K // GROUP) * N
+
+
+# The grouped MoE GEMMs (moe_w4a16.py, moe_w4a8.py): the routed tokens' alignment, the stacked experts, the tiles and
+# K split, a program's rows, and the block forward they share.
+
+MOE_KERNEL = "moe_gemm"
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by the largest average rows per expert they serve: decode-sized runs
+# want short M tiles (a padded row costs as much as a real one), prefill-sized ones the tensor cores' wide tiles.
+MOE_TILES = {
+    # BLOCK_N 32: decode on a long-K projection (Mixtral's down: K 14336, 2 experts) has few N tiles to spread
+    16: ((16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 64, 4, 4), (16, 32, 128, 4, 4)),
+    64: ((32, 64, 128, 4, 4), (32, 128, 64, 4, 4), (64, 64, 64, 4, 4), (16, 128, 128, 4, 3)),
+    1 << 30: ((64, 128, 64, 4, 4), (64, 64, 128, 4, 3), (128, 128, 64, 8, 3), (32, 128, 64, 4, 4)),
+}
+LEAST_BLOCK_K = 32  # the fallback tile's K: the kernels have no K mask, so K and the group must be multiples of it
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """One projection of every expert, stacked: qweight int32 [E, K/8, N]; scales [E, K/group, N] (W4A16's, or
+    W4A8's two-level group scales; None: W4A8 per channel, group = K); zeros uint8 [E, K/group, N] or None
+    (symmetric, the implicit 8); channel_scales fp32 [E, N] (W4A8 only)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor | None
+    zeros: torch.Tensor | None
+    group_size: int
+    channel_scales: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, K, N)"""
+        e, rows, n = self.qweight.shape
+        return e, rows * 8, n
+
+
+@dataclass(frozen=True)
+class AlignedTokens:
+    """(token, slot) rows sorted by expert, each expert's run padded to block_m: `sorted_rows` [capacity] (padding:
+    the sentinel tokens * top_k), `block_expert` [capacity / block_m] (-1: a block past the last run)."""
+
+    sorted_rows: torch.Tensor
+    block_expert: torch.Tensor
+    block_m: int
+    rows: int  # tokens * top_k
+
+
+def supports(k: int, group: int) -> bool:
+    """Whether a projection of K inputs quantized in groups of `group` (K when per channel) has a tile here."""
+    return k % LEAST_BLOCK_K == 0 and group % LEAST_BLOCK_K == 0
+
+
+def moe_candidates(rows_per_expert: float, k: int, n: int, group: int) -> list[TileConfig]:
+    """The launch configs worth timing at this many routed rows per expert, unsplit: BLOCK_K dividing K, and a K
+    tile within one group or a whole number of groups (group_rows' two cases); BLOCK_N <= N."""
+    tiles = MOE_TILES[next(bound for bound in MOE_TILES if rows_per_expert <= bound)]
+    return [TileConfig(MOE_KERNEL, bm, min(bn, triton.next_power_of_2(n)), bk, 1, warps, stages)
+            for bm, bn, bk, warps, stages in tiles if k % bk == 0 and (group % bk == 0 or bk % group == 0)]
+
+
+def aligned_capacity(rows: int, num_experts: int, block_m: int) -> int:
+    """Rows of align_tokens' output: at most min(rows, E) experts have rows, each padding fewer than block_m."""
+    return triton.cdiv(rows + min(rows, num_experts) * (block_m - 1), block_m) * block_m
+
+
+def with_moe_split(config: TileConfig, rows: int, num_experts: int, k: int, n: int) -> TileConfig:
+    """The config at the dense kernels' K split rule (spec.split_k_for) over the output tiles of the most blocks
+    align_tokens can make: decode's few rows per expert (Mixtral: 2 of 8 experts at one token) leave most SMs idle
+    unless K is split. An upper bound on the blocks, so a split is never more than the grid needs."""
+    blocks = aligned_capacity(rows, num_experts, config.block_m) // config.block_m
+    return config.with_split(split_k_for(blocks * triton.cdiv(n, config.block_n), k // config.block_k))
+
+
+def default_configs(rows: int, gate_up: StackedExperts, down: StackedExperts) -> tuple[TileConfig, TileConfig]:
+    """(gate_up's, down's) configs where nothing was tuned: the first candidate (the fallback tile where none fits)
+    for the rows per expert, one BLOCK_M for both (one alignment serves both), K split by with_moe_split."""
+    num_experts, hidden, _ = gate_up.shape
+    configs = []
+    for experts in (gate_up, down):
+        _, k, n = experts.shape
+        fallback = TileConfig(MOE_KERNEL, 16, 64, LEAST_BLOCK_K, 1, 4, 2)
+        config = (moe_candidates(rows / num_experts, k, n, experts.group_size) or [fallback])[0]
+        config = replace(config, block_m=configs[0].block_m) if configs else config
+        configs.append(with_moe_split(config, rows, num_experts, k, n))
+    return configs[0], configs[1]
+
+
+def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedTokens:
+    """Sort the (token, slot) rows of topk_ids [tokens, top_k] by expert, each expert's run padded to block_m.
+    All on the device, shapes known in advance (capacity: aligned_capacity)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    rows = flat.numel()
+    capacity = aligned_capacity(rows, num_experts, block_m)  # a decode step's grid stays small
+    # scatter_add, not bincount: bincount on CUDA reads the largest id back to the host (a sync, no graph capture)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    dest = (run_end - padded)[by_expert] + torch.arange(rows, device=flat.device) - first_of_expert[by_expert]
+    sorted_rows = torch.full((capacity,), rows, dtype=torch.int32, device=flat.device)
+    sorted_rows[dest] = order.to(torch.int32)
+    block_start = torch.arange(0, capacity, block_m, device=flat.device)
+    expert = torch.searchsorted(run_end, block_start, right=True)
+    block_expert = torch.where(expert < num_experts, expert, -1).to(torch.int32)
+    return AlignedTokens(sorted_rows, block_expert, block_m, rows)
+
+
+@triton.jit
+def moe_program(block_expert_ptr, sorted_rows_ptr, N, rows, X_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """A grouped program's expert (int64; -1: a block past the last run, nothing to do), its output tile (for the
+    split-K counters), its (token, slot) rows (int64; padding: `rows`) and their mask, the input rows they read (row
+    t * top_k + s reads t when X_ROW_DIV = top_k), and its output columns with their mask."""
+    tile = tl.program_id(0)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    # The N slices of one M block are neighbours in launch order: the block's x rows stay in L2.
+    pid_m, pid_n = tile // grid_n, tile % grid_n
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)  # E * K/8 * N words overflow int32 on the largest
+    offs_row = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # rows * N too
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, tile, offs_row, offs_row < rows, offs_row // X_ROW_DIV, offs_n, offs_n < N
+
+
+def moe_launch(aligned: AlignedTokens, n: int, config: TileConfig, out: torch.Tensor
+               ) -> tuple[tuple[int, int], torch.Tensor, torch.Tensor]:
+    """A grouped launch's grid (blocks x N tiles, K splits) and its split-K partials and tile counters (`out` twice
+    when unsplit)."""
+    if config.block_m != aligned.block_m:
+        raise ValueError(f"config BLOCK_M {config.block_m} != the tokens' alignment {aligned.block_m}")
+    grid = (aligned.block_expert.numel() * triton.cdiv(n, config.block_n), config.split_k)
+    if config.split_k == 1:
+        return grid, out, out
+    return (grid, *split_buffers(config.split_k, aligned.rows, n, grid[0], out.device))
+
+
+GroupedMatmul = Callable[..., torch.Tensor]  # (x, experts, aligned, config, routing_weights=None) -> [rows, N]
+
+
+def moe_block_forward(matmul: GroupedMatmul, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      gate_up: StackedExperts, down: StackedExperts, act: Callable[[torch.Tensor], torch.Tensor],
+                      configs: tuple[TileConfig, TileConfig] | None = None) -> torch.Tensor:
+    """An MoE block's experts on x [tokens, hidden] through a grouped matmul: down(act(gate(x)) * up(x)) of each
+    routed expert times its routing weight, summed over the top_k slots -> [tokens, hidden]. gate_up stacks each
+    expert's gate and up projections along N (gate first). configs: (gate_up's, down's), one BLOCK_M; default:
+    default_configs."""
+    tokens, top_k = topk_ids.shape
+    num_experts, hidden, _ = gate_up.shape
+    if tokens == 0:
+        return x.new_empty(0, hidden)
+    configs = configs or default_configs(tokens * top_k, gate_up, down)
+    aligned = align_tokens(topk_ids, num_experts, configs[0].block_m)
+    gate, up = matmul(x.contiguous(), gate_up, aligned, configs[0]).chunk(2, dim=1)
+    return (matmul((act(gate) * up).contiguous(), down, aligned, configs[1], topk_weights)
+            .view(tokens, top_k, hidden).sum(dim=1))
+
+
+def routed_reference(x: torch.Tensor, topk_ids: torch.Tensor, expert_weight: Callable[[int], torch.Tensor],
+                     routing_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """A grouped matmul in float64, for the tests: each (token, slot) row of x (float64 [tokens, K], each row feeding
+    its top_k slots, or [tokens * top_k, K]) times its expert's weight expert_weight(e) (float64 [K, N]), times its
+    routing weight where given -> [tokens * top_k, N]."""
+    tokens, top_k = topk_ids.shape
+    rows = x if x.shape[0] == tokens * top_k else x.repeat_interleave(top_k, dim=0)
+    flat = topk_ids.reshape(-1)
+    out = None
+    for e in flat.unique().tolist():
+        mask = flat == e
+        y = rows[mask] @ expert_weight(e)
+        out = y.new_zeros(tokens * top_k, y.shape[1]) if out is None else out
+        out[mask] = y
+    return out if routing_weights is None else out * routing_weights.reshape(-1, 1).double()

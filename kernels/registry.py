@@ -7,7 +7,11 @@ Importing this needs Triton; the Gluon kernels (Hopper) join only where Triton h
 
 from __future__ import annotations
 
-from . import w4a8, w4a8_swap, w4a16, w4a16_swap
+from collections.abc import Callable
+
+import torch
+
+from . import moe_w4a8, moe_w4a16, w4a8, w4a8_swap, w4a16, w4a16_swap
 from .spec import KernelSpec, Scheme
 
 KERNELS: tuple[KernelSpec, ...] = w4a16.SPECS + w4a16_swap.SPECS + w4a8.SPECS + w4a8_swap.SPECS
@@ -19,6 +23,10 @@ else:
     KERNELS += w4a16_tma_gemv.SPECS + w4a16_wgmma.SPECS + w4a8_wgmma.SPECS
 BY_NAME = {(spec.scheme, spec.name): spec for spec in KERNELS}
 SWAP_LAYOUT_KERNELS = frozenset(spec.name for spec in KERNELS if spec.layout == "swap")  # read the swap-layout copy
+# The grouped MoE GEMMs' block forwards (x, topk_ids, topk_weights, gate_up, down, act, configs=None), by the experts'
+# scheme: apart from KERNELS, whose specs are the dense linears' candidates; quantkit.models.moe dispatches here.
+MOE_FORWARDS: dict[Scheme, Callable[..., torch.Tensor]] = {"w4a16": moe_w4a16.moe_w4a16_forward,
+                                                            "w4a8": moe_w4a8.moe_w4a8_forward}
 
 
 def kernel(scheme: Scheme, name: str) -> KernelSpec:

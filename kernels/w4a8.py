@@ -41,27 +41,16 @@ from .common import (
     group_rows,
     half2_word_dots,
     half2_word_sums,
+    int8_tile,
     interpreting,
     quantize_rows,
     split_buffers,
     store_output,
     tiled_candidates,
     unpacked_codes,
+    without_zero_points,
 )
 from .spec import M_BUCKETS, KernelSpec, TileConfig
-
-
-@triton.jit
-def _int8_tile(words, s, z, TWO_LEVEL: tl.constexpr):
-    """Packed words [R, BN] -> int8 [8R, BN]: raw codes, or QQQ's rne((q - z) * group_scale)."""
-    shifts = tl.arange(0, 8) * 4
-    codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF
-    if TWO_LEVEL:
-        q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC_F32 + z[:, None, :])
-        w = ((q * s[:, None, :] + ROUND_F32) - ROUND_F32).to(tl.int8)  # an exact integer by now
-    else:
-        w = codes.to(tl.int8)
-    return tl.reshape(w, (words.shape[0] * 8, words.shape[1]))
 
 
 @triton.jit
@@ -103,14 +92,9 @@ def _w4a8_gemm_kernel(xq_ptr, ts_ptr, xsum_ptr, qw_ptr, cs_ptr, gs_ptr, z_ptr, b
         else:
             x = tl.load(xq_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :],
                         mask=m_mask[:, None], other=0)
-            acc = tl.dot(x, _int8_tile(words, s, z, TWO_LEVEL), acc, out_dtype=tl.int32)
-    if not TWO_LEVEL:  # zero point: sum_k x (q - z) = acc - z * sum_k x, once (split 0) per output
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + offs_n, mask=n_mask, other=0).to(tl.int32)
-        else:
-            z = tl.full((BLOCK_N,), 8, tl.int32)
-        xsum = tl.load(xsum_ptr + offs_m, mask=m_mask, other=0) * (pid_k == 0).to(tl.int32)
-        acc -= xsum[:, None] * z[None, :]
+            acc = tl.dot(x, int8_tile(words, s, z, TWO_LEVEL), acc, out_dtype=tl.int32)
+    if not TWO_LEVEL:
+        acc = without_zero_points(acc, z_ptr, xsum_ptr, offs_m, m_mask, offs_n, n_mask, pid_k == 0, HAS_ZEROS)
     ts = tl.load(ts_ptr + offs_m, mask=m_mask, other=0.0)
     cs = tl.load(cs_ptr + offs_n, mask=n_mask, other=0.0)
     out = acc.to(tl.float32) * ts[:, None] * cs[None, :]
@@ -179,9 +163,9 @@ def _int8_weight_kernel(qw_ptr, gs_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr,
                     mask=n_mask[None, :], other=0)
     s, z = group_rows(gs_ptr, z_ptr, k0, N, offs_n, n_mask, ROWS, GROUP, BLOCK_K, HAS_ZEROS)
     if TWO_LEVEL:
-        w = _int8_tile(words, s, z, True)
+        w = int8_tile(words, s, z, True)
     else:  # per-channel: fold the zero point in (q - z fits int8)
-        w = (_int8_tile(words, s, z, False).to(tl.int32) - z.to(tl.int32)).to(tl.int8)
+        w = (int8_tile(words, s, z, False).to(tl.int32) - z.to(tl.int32)).to(tl.int8)
     tl.store(w_ptr + offs_n[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :], tl.trans(w),
              mask=n_mask[:, None])
 

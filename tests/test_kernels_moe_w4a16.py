@@ -8,16 +8,16 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are d
 
 import pytest
 import torch
-from quantkit.kernels.layout import pack_along_rows
-from quantkit.kernels.moe_w4a16 import (
+from quantkit.kernels.common import (
     StackedExperts,
     align_tokens,
+    default_configs,
     moe_candidates,
-    moe_w4a16_forward,
-    moe_w4a16_matmul,
-    moe_w4a16_reference,
     supports,
+    with_moe_split,
 )
+from quantkit.kernels.layout import pack_along_rows
+from quantkit.kernels.moe_w4a16 import moe_w4a16_forward, moe_w4a16_matmul, moe_w4a16_reference
 from quantkit.kernels.spec import TileConfig
 from test_kernels_w4a16 import (  # noqa: F401  (poisoned_outputs: a fixture)
     TOLERANCE,
@@ -78,6 +78,38 @@ def test_grouped_matmul_matches_float64(dtype, group, sym, tokens, k, block_m, b
         assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.usefixtures("poisoned_outputs")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("group", "sym", "split"), [(32, False, 2), (-1, True, 3), (32, True, 5)])
+def test_split_k_matches_float64(dtype, group, sym, split) -> None:
+    """K = 160 in five K tiles of 32: splits of 2 and 3 take uneven shares, 5 one tile each; expert SILENT has no
+    token (its blocks exit), the down projection's routing weight multiplies every partial."""
+    k, tokens = 160, 5
+    experts = random_experts(k, 48, group, dtype, sym, seed=7)
+    ids, weights = routing(tokens, seed=8)
+    x = torch.randn(tokens * TOP_K, k, generator=torch.Generator().manual_seed(9)).to(dtype)
+    aligned = align_tokens(ids, EXPERTS, 16)
+    config = TileConfig("moe_gemm", 16, 32, 32, split, 4, 2)
+    for routed in (None, weights.to(dtype)):
+        out = moe_w4a16_matmul(x, experts, aligned, config, routed)
+        assert not out.isnan().any(), "an output row left unwritten"
+        assert relative_error(out, moe_w4a16_reference(x, ids, experts, routed)) < TOLERANCE[dtype]
+
+
+def test_split_rule_splits_decode_only() -> None:
+    """Mixtral-8x7B's experts (hidden 4096, intermediate 14336, 8 experts, top-2): at one token two blocks leave the
+    down projection's 64 N tiles far short of the SMs, K is split; at 256 tokens there are tiles enough."""
+    def stacked(k: int, n: int) -> StackedExperts:
+        return StackedExperts(torch.empty(8, k // 8, n, dtype=torch.int32), torch.empty(8, k // 128, n), None, 128)
+
+    gate_up, down = stacked(4096, 2 * 14336), stacked(14336, 4096)
+    decode = default_configs(2, gate_up, down)
+    assert decode[0].block_m == decode[1].block_m and decode[1].split_k > 1
+    assert all(c.split_k == 1 for c in default_configs(512, gate_up, down))
+    config = with_moe_split(decode[1], 2, 8, 14336, 4096)
+    assert config.split_k == decode[1].split_k and 14336 // config.block_k >= 2 * config.split_k
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_block_forward_matches_per_expert_loop(dtype) -> None:
     """gate/up stacked along N, SiLU, down with the routing weights, summed over slots: the per-expert loop."""
@@ -105,7 +137,7 @@ def test_candidates_fit_the_shape() -> None:
     assert supports(320, 160) and not supports(80, 16) and not supports(96, 48)
 
 
-def quantized_tiny_moe(kind: str, sym: bool, act_bits: int = 16):
+def quantized_tiny_moe(kind: str, sym: bool, act_bits: int = 16, method: str = "rtn", group_size: int = 32):
     from test_engine import random_calibration
     from test_moe import tiny_moe
 
@@ -114,7 +146,8 @@ def quantized_tiny_moe(kind: str, sym: bool, act_bits: int = 16):
     from quantkit.models import get_adapter
 
     model = tiny_moe(kind)
-    config = QuantConfig(method="rtn", group_size=32, sym=sym, act_bits=act_bits)
+    options = dict(smooth_steps=8) if method == "qqq" else {}  # QQQ's smoothing search, kept short
+    config = QuantConfig.from_dict(dict(method=method, group_size=group_size, sym=sym, act_bits=act_bits, **options))
     quantize_model(model, get_adapter(model), random_calibration(), config, device="cpu", show_progress=False)
     return model
 
@@ -124,15 +157,15 @@ def quantized_tiny_moe(kind: str, sym: bool, act_bits: int = 16):
 def test_quantized_moe_model_logits_through_the_grouped_kernel(monkeypatch, kind, sym, dtype) -> None:
     """The block's grouped path (CUDA only in use; forced here on the CPU, the kernel interpreted) gives the logits
     of its per-expert loop."""
-    from quantkit.kernels import moe_w4a16
+    from quantkit.kernels import registry
 
     from quantkit.models.moe import UnfusedMoe
 
     model = quantized_tiny_moe(kind, sym).to(dtype)
     ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(0))
     calls = []
-    monkeypatch.setattr(moe_w4a16, "moe_w4a16_forward",
-                        lambda *args, real=moe_w4a16.moe_w4a16_forward: calls.append(1) or real(*args))
+    monkeypatch.setitem(registry.MOE_FORWARDS, "w4a16",
+                        lambda *args, real=registry.MOE_FORWARDS["w4a16"]: calls.append(1) or real(*args))
     with torch.no_grad():
         loop = model(ids).logits.double()
         assert not calls  # on the CPU the block keeps its loop
@@ -144,9 +177,7 @@ def test_quantized_moe_model_logits_through_the_grouped_kernel(monkeypatch, kind
     assert relative_error(grouped, loop) < TOLERANCE[dtype]
 
 
-def test_grouped_path_refuses_w4a8_experts_and_waits_for_quantization() -> None:
-    model = quantized_tiny_moe("mixtral", sym=True, act_bits=8).to(torch.float16)
-    assert model.model.layers[0].mlp.grouped_experts() is None
+def test_grouped_path_waits_for_quantization() -> None:
     from test_moe import tiny_moe
 
     from quantkit.models import get_adapter
@@ -176,22 +207,26 @@ def test_stacking_follows_the_expert_order() -> None:
 MOE_COMPILE = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from quantkit.kernels.moe_w4a16 import MOE_TILES, _moe_w4a16_kernel
+from quantkit.kernels.common import MOE_TILES
+from quantkit.kernels.moe_w4a16 import _moe_w4a16_kernel
 
 tiles = sorted({tile for group in MOE_TILES.values() for tile in group})
-builds = [("fp16", False, True, tile) for tile in tiles] + [("bf16", True, False, tiles[0])]
-for dtype, zeros, routed, (bm, bn, bk, warps, stages) in builds:
+builds = ([("fp16", False, True, tile, 1) for tile in tiles] + [("bf16", True, False, tiles[0], 1)]
+          + [("fp16", False, True, tiles[0], 4)])
+for dtype, zeros, routed, (bm, bn, bk, warps, stages), split in builds:
     sig = {"x_ptr": "*" + dtype, "qw_ptr": "*i32", "s_ptr": "*" + dtype, "z_ptr": "*u8", "route_w_ptr": "*fp32",
-           "out_ptr": "*" + dtype, "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32", "N": "i32", "K": "i32",
-           "rows": "i32", "X_ROW_DIV": "constexpr", "GROUP": "constexpr", "HAS_ZEROS": "constexpr",
-           "MUL_ROUTED": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+           "out_ptr": "*" + dtype, "part_ptr": "*fp32", "count_ptr": "*i32", "sorted_rows_ptr": "*i32",
+           "block_expert_ptr": "*i32", "N": "i32", "K": "i32", "rows": "i32", "X_ROW_DIV": "constexpr",
+           "GROUP": "constexpr", "HAS_ZEROS": "constexpr", "MUL_ROUTED": "constexpr", "BLOCK_M": "constexpr",
+           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "i32", "IS_SPLIT": "constexpr",
            "UPCAST_DOT": "constexpr", "DOT_PRECISION": "constexpr"}
     consts = {"X_ROW_DIV": 1 if routed else 8, "GROUP": 128, "HAS_ZEROS": zeros, "MUL_ROUTED": routed,
-              "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False, "DOT_PRECISION": "tf32"}
+              "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "IS_SPLIT": split > 1, "UPCAST_DOT": False,
+              "DOT_PRECISION": "tf32"}
     kernel = compile(ASTSource(fn=_moe_w4a16_kernel, signature=sig, constexprs=consts),
                      target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     ptx = kernel.asm["ptx"]
-    assert ("mma.sync" in ptx or "wgmma" in ptx) and kernel.asm["cubin"], (dtype, bm, bn, bk)
+    assert ("mma.sync" in ptx or "wgmma" in ptx) and kernel.asm["cubin"], (dtype, bm, bn, bk, split)
 print("compiled")
 """
 
@@ -204,7 +239,8 @@ def test_every_candidate_tile_compiles_for_sm90_on_tensor_cores() -> None:
 
 
 def test_bench_moe_tiny_runs_on_the_cpu(tmp_path) -> None:
-    """benchmarks/bench_moe.py --tiny: every method's output checked against fp32 and the grouped kernel timed."""
+    """benchmarks/bench_moe.py --tiny: every method's output checked against fp32 (W4A8: its own int8 math) and the
+    grouped kernels timed, W4A16 with and without split K, W4A8."""
     import json
     import subprocess
     import sys
@@ -217,7 +253,9 @@ def test_bench_moe_tiny_runs_on_the_cpu(tmp_path) -> None:
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = json.loads((tmp_path / "results.json").read_text())["results"]
     assert [r["tokens"] for r in rows] == [1, 5]
+    ours = ("grouped", "grouped_splitk", "grouped_w4a8")
     for r in rows:
-        assert {"grouped", "dequant_loop", "fp16_loop"} <= set(r["times_us"])
-        assert all(e < 1e-2 for m, e in r["errors"].items() if m in ("grouped", "dequant_loop", "fp16_loop"))
+        assert {*ours, "dequant_loop", "fp16_loop"} <= set(r["times_us"])
+        assert all(e < 1e-2 for m, e in r["errors"].items() if m in (*ours, "dequant_loop", "fp16_loop"))
+        assert "SPLIT_K: 2" in r["best_config"]["grouped_splitk"]
     assert "| tiny | 5 |" in (tmp_path / "results.md").read_text()

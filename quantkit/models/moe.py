@@ -38,7 +38,7 @@ from quantkit.quantizers.base import LinearQuantizer, Method
 from quantkit.quantizers.gptq import GPTQOptions
 
 if TYPE_CHECKING:
-    from quantkit.kernels.moe_w4a16 import StackedExperts
+    from quantkit.kernels.common import StackedExperts
 
 log = logging.getLogger("quantkit")
 
@@ -128,10 +128,11 @@ class UnfusedMoe(nn.Module):
                 and os.environ.get("QUANTKIT_KERNELS", "1") != "0")
 
     def grouped_experts(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
-        """experts(x, topk_ids, topk_weights) through quantkit.kernels.moe_w4a16 (one launch per projection for
-        every expert), or None (then the per-expert loop) unless every expert is a W4A16 QuantLinear triple of one
-        scheme. The experts' packed tensors are stacked once, on the first call, into a second copy (a quarter of
-        the fp16 experts' bytes); moving the block (.to) or calling release_grouped() drops it."""
+        """experts(x, topk_ids, topk_weights) through a grouped MoE kernel (quantkit.kernels.registry.MOE_FORWARDS:
+        moe_w4a16 or moe_w4a8, one launch per projection for every expert), or None (then the per-expert loop)
+        unless every expert is a QuantLinear triple of one scheme a grouped kernel takes. The experts' packed tensors
+        are stacked once, on the first call, into a second copy (a quarter of the fp16 experts' bytes); moving the
+        block (.to) or calling release_grouped() drops it."""
         if self._grouped is None:
             if not isinstance(self.experts[0].gate_proj, QuantLinear):
                 return None  # not quantized (yet): decided once it is
@@ -147,45 +148,64 @@ class UnfusedMoe(nn.Module):
         return super()._apply(fn, recurse)
 
 
-def _w4a16_scheme(linear: nn.Module) -> tuple | None:
-    """What the grouped kernel needs equal across experts, or None where a linear is not fp16/bf16 W4A16 without bias."""
-    if (not isinstance(linear, QuantLinear) or linear.bits != 4 or linear.act_bits != 16 or linear.bias is not None
+def _grouped_scheme(linear: nn.Module) -> tuple | None:
+    """What the grouped kernels need equal across experts, (act_bits, two_level, group, in, out, dtype), or None where
+    a linear is no fp16/bf16 4-bit QuantLinear without bias of a scheme they compute: W4A16, or W4A8 per channel or
+    QQQ's two-level with every weight in int8 (the dense W4A8 kernels' schemes, kernels.make_kernel_forward)."""
+    from quantkit.kernels import _two_level_int8_overflow
+
+    if (not isinstance(linear, QuantLinear) or linear.bits != 4 or linear.act_bits not in (8, 16)
+            or linear.bias is not None
             or linear.scales.dtype not in (torch.float16, torch.bfloat16)):  # fp32 would run tl.dot in tf32
         return None
-    return linear.group_size, linear.in_features, linear.out_features, linear.scales.dtype
+    two_level = linear.channel_scales is not None
+    if linear.act_bits == 8 and (_two_level_int8_overflow(linear) if two_level
+                                 else linear.group_size != linear.in_features):
+        return None  # QQQ would wrap the weight; one-level group scales with int8 activations: no W4A8 kernel
+    return linear.act_bits, two_level, linear.group_size, linear.in_features, linear.out_features, linear.scales.dtype
 
 
 def _stack(linears: list[list[QuantLinear]]) -> StackedExperts:
-    """Each expert's projections concatenated along N, the experts stacked; zeros None when all are 8 (symmetric)."""
-    from quantkit.kernels.moe_w4a16 import StackedExperts
+    """Each expert's projections concatenated along N, the experts stacked; zeros None when all are 8 (symmetric).
+    W4A8: the channel scales (per channel: the layer's one row of scales) apart, fp32 [E, N]."""
+    from quantkit.kernels.common import StackedExperts
 
     def stacked(tensor: Callable[[QuantLinear], torch.Tensor]) -> torch.Tensor:
         return torch.stack([torch.cat([tensor(linear) for linear in projections], dim=1) for projections in linears])
 
-    zeros = stacked(lambda linear: linear.zeros)
-    return StackedExperts(stacked(lambda linear: linear.plain_qweight()), stacked(lambda linear: linear.scales),
-                          None if bool((zeros == 8).all()) else zeros, linears[0][0].group_size)
+    first = linears[0][0]
+    qweight, scales, zeros = (stacked(lambda linear: linear.plain_qweight()), stacked(lambda linear: linear.scales),
+                              stacked(lambda linear: linear.zeros))
+    zeros = None if bool((zeros == 8).all()) else zeros
+    if first.act_bits == 16:
+        return StackedExperts(qweight, scales, zeros, first.group_size)
+    if first.channel_scales is None:  # per channel: scales [E, 1, N] are the channel scales
+        return StackedExperts(qweight, None, zeros, first.group_size, scales.flatten(1).float())
+    channel = stacked(lambda linear: linear.channel_scales[None]).flatten(1).float()
+    return StackedExperts(qweight, scales, zeros, first.group_size, channel)
 
 
 def _grouped_forward(experts: nn.ModuleList) -> Callable | None:
-    """The grouped kernel's forward over these experts, or None (logged) where they are not all W4A16 of one
-    scheme (and shapes the kernel tiles) with one activation function."""
-    from quantkit.kernels.moe_w4a16 import moe_w4a16_forward, supports
+    """The grouped kernel's forward over these experts (by their scheme, W4A16 or W4A8), or None (logged) where they
+    are not all of one scheme a grouped kernel takes (gate and up alike, shapes it tiles) with one activation."""
+    from quantkit.kernels.common import supports, tile_counters
+    from quantkit.kernels.registry import MOE_FORWARDS
 
     projections = [[expert.gate_proj, expert.up_proj, expert.down_proj] for expert in experts]
-    schemes = {tuple(_w4a16_scheme(linear) for linear in triple) for triple in projections}
+    schemes = {tuple(_grouped_scheme(linear) for linear in triple) for triple in projections}
     acts = {type(expert.act_fn) for expert in experts}
     scheme = next(iter(schemes))
-    if (len(schemes) != 1 or None in scheme or len(acts) != 1
-            or not all(supports(k, group) for group, k, _, _ in scheme)):
-        log.info("MoE block: experts not all W4A16 of one scheme the grouped kernel tiles; the per-expert loop runs")
+    if (len(schemes) != 1 or None in scheme or len(acts) != 1 or scheme[0] != scheme[1]
+            or scheme[0][:2] != scheme[2][:2] or not all(supports(k, group) for _, _, group, k, _, _ in scheme)):
+        log.info("MoE block: experts not all of one scheme a grouped kernel tiles; the per-expert loop runs")
         return None
 
     gate_up, down = _stack([triple[:2] for triple in projections]), _stack([triple[2:] for triple in projections])
-    act = experts[0].act_fn
+    act, kind = experts[0].act_fn, "w4a16" if scheme[0][0] == 16 else "w4a8"
+    tile_counters(gate_up.qweight.device)  # split K's tile counters, allocated now, never inside a graph capture
 
     def forward(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return moe_w4a16_forward(x, index, weights.to(torch.float32), gate_up, down, act)
+        return MOE_FORWARDS[kind](x, index, weights.to(torch.float32), gate_up, down, act)
 
     return forward
 
