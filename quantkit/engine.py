@@ -135,7 +135,7 @@ class _ResidentLayers:
         pass
 
     def release(self, index: int, layer: nn.Module) -> None:
-        pass
+        layer.to("cpu")
 
 
 def _replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -218,8 +218,8 @@ def quantize_model(
     """Quantize every decoder-layer linear of `model` in place, layer by layer; returns the report.
 
     Streaming hook (quantkit.streaming): `layer_source` loads layer i's weights before its step and
-    releases them after (default: the layers are already resident); `on_layer_done(i, layer, outputs,
-    entry)` sees each finished layer before its release; a resumed run starts at `start_layer` with
+    releases them after (default: the layers are already resident, and go back to the CPU);
+    `on_layer_done(i, layer, outputs, entry)` sees each finished layer, still on the device, before its release; a resumed run starts at `start_layer` with
     `hidden_states` (the inputs of that layer per batch) instead of the captured layer-0 inputs.
     The hidden states wait between layers on the device, in host memory or under `offload_dir`
     (quantkit.streaming.hidden picks the first that fits).
@@ -284,13 +284,12 @@ def quantize_model(
                 if qw.info.get("fallback"):
                     report.fallbacks.append(f"layer {i} {name}: {qw.info['fallback']}")
             check_experts_quantized(layer, adapter, i)
-            with timer("transfer"):
-                layer.to("cpu")
             entry["seconds"] = time.perf_counter() - t0
             report.layers.append(entry)
             if on_layer_done is not None:
-                on_layer_done(i, layer, inputs, entry)
-            layer_source.release(i, layer)
+                on_layer_done(i, layer, inputs, entry)  # the layer still on the device: packing is fast there
+            with timer("transfer"):
+                layer_source.release(i, layer)
             done = i + 1 - start_layer
             note = f"{entry['seconds']:.1f}s/layer, ETA {_eta(layers_start, done, len(layers) - start_layer)}, " \
                    f"{_memory_note(device)}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from accelerate import init_empty_weights
@@ -56,18 +57,22 @@ def load_outside_layers(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, ada
 
 
 class StreamedLayers:
-    """Loads decoder layer i from the checkpoint just before its step and frees it after.
+    """Loads decoder layer i from the checkpoint just before its step and frees it after; layer i+1's tensors
+    are read from disk by a background thread while layer i computes (one more layer in host memory).
 
     `live` / `peak_live` count the layers holding real weights, for the memory-bound tests."""
 
     def __init__(self, ckpt: SafetensorsCheckpoint, adapter: ArchAdapter, dtype: torch.dtype) -> None:
         self.ckpt, self.adapter, self.dtype = ckpt, adapter, dtype
         self.live = self.peak_live = 0
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-prefetch")
+        self._prefetched: tuple[int, Future] | None = None
 
     def load(self, index: int, layer: nn.Module) -> None:
-        prefix = f"{self.adapter.layers}.{index}."
         names = list(layer.state_dict(keep_vars=True))
-        tensors = self.ckpt.read([prefix + n for n in names])
+        tensors = self._read(index, names)
+        self._prefetch(index + 1, names)
+        prefix = self._prefix(index)
         layer.to_empty(device="cpu")
         with torch.no_grad():
             for name, tensor in layer.state_dict(keep_vars=True).items():
@@ -79,6 +84,21 @@ class StreamedLayers:
         layer.to("meta")
         self.live -= 1
         _return_freed_memory()
+
+    def _prefix(self, index: int) -> str:
+        return f"{self.adapter.layers}.{index}."
+
+    def _read(self, index: int, names: list[str]) -> dict[str, torch.Tensor]:
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == index:
+            return prefetched[1].result()
+        return self.ckpt.read([self._prefix(index) + n for n in names])
+
+    def _prefetch(self, index: int, names: list[str]) -> None:
+        """Layer `index`'s tensors, if it has the same names as this one (the last layer's next has none)."""
+        keys = [self._prefix(index) + n for n in names]
+        if all(k in self.ckpt.weight_map for k in keys):
+            self._prefetched = (index, self._reader.submit(self.ckpt.read, keys))
 
 
 def _return_freed_memory() -> None:
