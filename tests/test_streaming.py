@@ -142,7 +142,7 @@ class _CountingLayers(StreamedLayers):
 
 
 @pytest.mark.parametrize("depth", [2, 4])
-def test_one_layer_materialized_at_a_time(tmp_path, single_thread, depth: int) -> None:
+def test_one_layer_materialized_and_one_read_ahead_at_a_time(tmp_path, single_thread, depth: int) -> None:
     source = _checkpoint(tmp_path / "src", layers=depth)
     model, ckpt = open_streamed_model(str(source), torch.float32)
     counting = _CountingLayers(ckpt, get_adapter(model), torch.float32)
@@ -153,6 +153,7 @@ def test_one_layer_materialized_at_a_time(tmp_path, single_thread, depth: int) -
                                    tmp_path / "out", device="cpu", show_progress=False, layer_source=counting)
     assert len(report.layers) == depth
     assert counting.peak_live == 1 and counting.peak_seen == 1  # independent of depth
+    assert counting.peak_held == 2 and counting.held == 0  # and the next layer's tensors, read ahead
     assert all(next(layer.buffers()).is_meta for layer in layers)  # each released after its step
 
 

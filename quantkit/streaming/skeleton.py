@@ -60,11 +60,12 @@ class StreamedLayers:
     """Loads decoder layer i from the checkpoint just before its step and frees it after; layer i+1's tensors
     are read from disk by a background thread while layer i computes (one more layer in host memory).
 
-    `live` / `peak_live` count the layers holding real weights, for the memory-bound tests."""
+    For the memory-bound tests: `live` / `peak_live` count the layers holding real weights, `held` /
+    `peak_held` the layers in host memory (those and the one read ahead)."""
 
     def __init__(self, ckpt: SafetensorsCheckpoint, adapter: ArchAdapter, dtype: torch.dtype) -> None:
         self.ckpt, self.adapter, self.dtype = ckpt, adapter, dtype
-        self.live = self.peak_live = 0
+        self.live = self.peak_live = self.held = self.peak_held = 0
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-prefetch")
         self._prefetched: tuple[int, Future] | None = None
 
@@ -83,6 +84,7 @@ class StreamedLayers:
     def release(self, index: int, layer: nn.Module) -> None:
         layer.to("meta")
         self.live -= 1
+        self.held -= 1
         _return_freed_memory()
 
     def _prefix(self, index: int) -> str:
@@ -92,12 +94,18 @@ class StreamedLayers:
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None and prefetched[0] == index:
             return prefetched[1].result()
+        self._count_held()
         return self.ckpt.read([self._prefix(index) + n for n in names])
+
+    def _count_held(self) -> None:
+        self.held += 1
+        self.peak_held = max(self.peak_held, self.held)
 
     def _prefetch(self, index: int, names: list[str]) -> None:
         """Layer `index`'s tensors, if it has the same names as this one (the last layer's next has none)."""
         keys = [self._prefix(index) + n for n in names]
         if all(k in self.ckpt.weight_map for k in keys):
+            self._count_held()
             self._prefetched = (index, self._reader.submit(self.ckpt.read, keys))
 
 
