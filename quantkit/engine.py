@@ -214,13 +214,15 @@ def quantize_model(
     start_layer: int = 0,
     hidden_states: list[torch.Tensor] | None = None,
     offload_dir: Path | None = None,
+    on_inputs_captured: Callable[[], None] | None = None,
 ) -> QuantReport:
     """Quantize every decoder-layer linear of `model` in place, layer by layer; returns the report.
 
     Streaming hook (quantkit.streaming): `layer_source` loads layer i's weights before its step and
     releases them after (default: the layers are already resident); `on_layer_done(i, layer, outputs,
     entry)` sees each finished layer before its release; a resumed run starts at `start_layer` with
-    `hidden_states` (the inputs of that layer per batch) instead of the captured layer-0 inputs.
+    `hidden_states` (the inputs of that layer per batch) instead of the captured layer-0 inputs;
+    `on_inputs_captured()` runs once the model outside the decoder layers has done its part.
     The hidden states wait between layers on the device, in host memory or under `offload_dir`
     (quantkit.streaming.hidden picks the first that fits).
     """
@@ -243,6 +245,8 @@ def quantize_model(
             inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
     if hidden_states is not None:
         inputs = hidden_states
+    if on_inputs_captured is not None:
+        on_inputs_captured()
     store = open_store(inputs, layers, device, offload_dir)
     inputs = store.hold(inputs)
     layer_source = layer_source or _ResidentLayers()

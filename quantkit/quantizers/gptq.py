@@ -87,8 +87,12 @@ def inverse_hessian_factor(
         damped = hessian.clone()
         damped.diagonal().add_(damp * mean_diag)
         lower, info = torch.linalg.cholesky_ex(damped)
+        del damped  # each [in, in] intermediate goes as soon as the next exists: 3 alive at most, not 5
         if info.item() == 0:
-            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+            inverse = torch.cholesky_inverse(lower)
+            del lower
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            del inverse
             if info.item() == 0:
                 return upper, damp
         retry = attempt + 1 < MAX_DAMP_ATTEMPTS
@@ -274,7 +278,8 @@ def gptq_quantize(
     order = torch.arange(cols, device=W.device)
     if options.act_order:
         order = torch.argsort(H.diagonal(), descending=True, stable=True)
-        W, H = W[:, order], H[order][:, order]
+        W, H = W[:, order], H[order]
+        H = H[:, order]  # a statement of its own: the unpermuted H is freed before the second copy
 
     U, damp_percent = inverse_hessian_factor(H, options.damp_percent, layer_label(weight))
     del H

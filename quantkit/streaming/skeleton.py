@@ -35,7 +35,7 @@ def _set_tensor(root: nn.Module, name: str, value: torch.Tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     module = root.get_submodule(owner)
     if leaf in module._parameters:
-        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        module._parameters[leaf] = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=False)
     else:
         module._buffers[leaf] = value
 
@@ -53,6 +53,33 @@ def load_outside_layers(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, ada
                   if t.is_meta and not n.startswith(layer_prefix)]
     if still_meta:
         raise QuantizationError(f"{ckpt.folder}: the checkpoint has no tensor {still_meta[0]!r}")
+
+
+def release_outside_layers(model: PreTrainedModel, adapter: ArchAdapter) -> None:
+    """Put the tensors load_outside_layers read back on the meta device once the calibration inputs are
+    captured: the layers never use them, and the export reads them again one at a time
+    (read_outside_tensor). Tied tensors stay tied: each distinct tensor gets one meta stand-in."""
+    layer_prefix = adapter.layers + "."
+    stand_ins: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name.startswith(layer_prefix) or tensor.is_meta:
+            continue
+        if id(tensor) not in stand_ins:
+            meta = tensor.detach().to("meta")
+            stand_ins[id(tensor)] = nn.Parameter(meta, False) if isinstance(tensor, nn.Parameter) else meta
+        _set_tensor(model, name, stand_ins[id(tensor)])
+    _return_freed_memory()
+
+
+def read_outside_tensor(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, name: str) -> torch.Tensor:
+    """Tensor `name` outside the layers, from the model if real, else as load_outside_layers loaded it
+    (in the model's dtype) from the checkpoint, under whichever of its tied names the checkpoint uses."""
+    state = model.state_dict(keep_vars=True)
+    if not state[name].is_meta:
+        return state[name]
+    stored = next(n for n, t in state.items() if t is state[name] and n in ckpt.weight_map)
+    value = ckpt.read([stored])[stored]
+    return value.to(state[name].dtype) if value.is_floating_point() else value
 
 
 class StreamedLayers:
@@ -79,6 +106,24 @@ class StreamedLayers:
         layer.to("meta")
         self.live -= 1
         _return_freed_memory()
+
+
+# glibc's mmap threshold (M_MMAP_THRESHOLD) and the size it is set to while streaming.
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_BYTES = 2**20
+
+
+def map_large_allocations() -> None:
+    """Serve every allocation of 1 MiB or more with its own mapping, given back to the OS when freed.
+
+    By default glibc raises this threshold to the largest block freed so far (up to 32 MiB), after which
+    such tensors (a layer's weights, GPTQ's Hessians and factors) come from the heap, whose freed blocks
+    stay resident until a trim; a fixed threshold also turns the dynamic raise off (mallopt(3)).
+    Process-wide: set by open_streamed_model, whose whole point is a bounded resident set."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):  # not glibc: its own policy applies
+        pass
 
 
 def _return_freed_memory() -> None:
