@@ -177,7 +177,7 @@ def quantize_streaming(
         report = quantize_model(model, adapter, calib, config, device=device, batch_size=batch_size,
                                 show_progress=show_progress, layer_source=layer_source,
                                 on_layer_done=on_layer_done, start_layer=start,
-                                on_inputs_captured=lambda: release_outside_layers(model, adapter),
+                                on_inputs_captured=lambda: release_outside_layers(model, adapter, ckpt),
                                 hidden_states=work.hidden_states(start) if start else None,
                                 offload_dir=offload_dir)
         report.layers = work.entries()

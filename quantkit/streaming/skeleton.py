@@ -55,14 +55,17 @@ def load_outside_layers(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, ada
         raise QuantizationError(f"{ckpt.folder}: the checkpoint has no tensor {still_meta[0]!r}")
 
 
-def release_outside_layers(model: PreTrainedModel, adapter: ArchAdapter) -> None:
+def release_outside_layers(model: PreTrainedModel, adapter: ArchAdapter, ckpt: SafetensorsCheckpoint) -> None:
     """Put the tensors load_outside_layers read back on the meta device once the calibration inputs are
     captured: the layers never use them, and the export reads them again one at a time
-    (read_outside_tensor). Tied tensors stay tied: each distinct tensor gets one meta stand-in."""
+    (read_outside_tensor). Those the checkpoint lacks (buffers the model computes) stay; tied tensors stay
+    tied: each distinct tensor gets one meta stand-in."""
     layer_prefix = adapter.layers + "."
+    state = {n: t for n, t in model.state_dict(keep_vars=True).items() if not n.startswith(layer_prefix)}
+    stored = {id(t) for n, t in state.items() if n in ckpt.weight_map and not t.is_meta}
     stand_ins: dict[int, torch.Tensor] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if name.startswith(layer_prefix) or tensor.is_meta:
+    for name, tensor in state.items():
+        if id(tensor) not in stored:
             continue
         if id(tensor) not in stand_ins:
             meta = tensor.detach().to("meta")
