@@ -214,13 +214,16 @@ def quantize_model(
     start_layer: int = 0,
     hidden_states: list[torch.Tensor] | None = None,
     offload_dir: Path | None = None,
+    on_inputs_captured: Callable[[], None] | None = None,
 ) -> QuantReport:
     """Quantize every decoder-layer linear of `model` in place, layer by layer; returns the report.
 
     Streaming hook (quantkit.streaming): `layer_source` loads layer i's weights before its step and
     releases them after (default: the layers are already resident, and go back to the CPU);
-    `on_layer_done(i, layer, outputs, entry)` sees each finished layer, still on the device, before its release; a resumed run starts at `start_layer` with
-    `hidden_states` (the inputs of that layer per batch) instead of the captured layer-0 inputs.
+    `on_layer_done(i, layer, outputs, entry)` sees each finished layer, still on the device, before its release;
+    a resumed run starts at `start_layer` with `hidden_states` (the inputs of that layer per batch) instead of
+    the captured layer-0 inputs; `on_inputs_captured()` runs once the model outside the decoder layers has done
+    its part.
     The hidden states wait between layers on the device, in host memory or under `offload_dir`
     (quantkit.streaming.hidden picks the first that fits).
     """
@@ -243,6 +246,8 @@ def quantize_model(
             inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
     if hidden_states is not None:
         inputs = hidden_states
+    if on_inputs_captured is not None:
+        on_inputs_captured()
     store = open_store(inputs, layers, device, offload_dir)
     inputs = store.hold(inputs)
     layer_source = layer_source or _ResidentLayers()
@@ -273,16 +278,10 @@ def quantize_model(
                 entry["expert_tokens"] = expert_tokens
             if not all(torch.isfinite(x).all() for x in inputs):
                 raise QuantizationError(f"layer {i} produced non-finite outputs after quantization")
-            for name, qw in results.items():
-                linear = layer.get_submodule(name)
-                # packed on the work device (fast), moved to the CPU with the layer below
-                qlinear = QuantLinear.from_quantized(
-                    qw, None if linear.bias is None else linear.bias.detach(), linear.weight.dtype,
-                    act_bits=config.act_bits).to(device)
-                _replace_module(layer, name, qlinear)
-                entry["linears"][name] = qw.info
-                if qw.info.get("fallback"):
-                    report.fallbacks.append(f"layer {i} {name}: {qw.info['fallback']}")
+            _swap_in_quantlinears(layer, results, config.act_bits, device)
+            entry["linears"] = {name: qw.info for name, qw in results.items()}
+            report.fallbacks += [f"layer {i} {name}: {info['fallback']}"
+                                 for name, info in entry["linears"].items() if info.get("fallback")]
             check_experts_quantized(layer, adapter, i)
             entry["seconds"] = time.perf_counter() - t0
             report.layers.append(entry)
@@ -299,6 +298,18 @@ def quantize_model(
     model.config.use_cache = True
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _swap_in_quantlinears(layer: nn.Module, results: dict[str, QuantizedWeight], act_bits: int,
+                          device: torch.device) -> None:
+    """Replace each quantized linear by its QuantLinear, packed on the work device (fast) and moved to the CPU
+    with the layer. A function of its own so that no loop variable keeps the last replaced linear (its fp32
+    weight: 16 MB for a 1024 x 4096 down_proj) alive through the next layer's step."""
+    for name, qw in results.items():
+        linear = layer.get_submodule(name)
+        qlinear = QuantLinear.from_quantized(qw, None if linear.bias is None else linear.bias.detach(),
+                                             linear.weight.dtype, act_bits=act_bits).to(device)
+        _replace_module(layer, name, qlinear)
 
 
 def _eta(start: float, done: int, total: int) -> str:

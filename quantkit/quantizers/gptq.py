@@ -79,16 +79,19 @@ def inverse_hessian_factor(
     """Upper Cholesky factor U of (H + damp * mean(diag H) * I)^-1 (so U^T U is that inverse).
 
     Retries with x10 damping while either factorisation fails; returns (None, last damping tried)
-    when none succeeds.
+    when none succeeds. `hessian`, the caller's working copy, is damped in place: no [in, in] copy.
     """
-    mean_diag = hessian.diagonal().mean()
+    diagonal = hessian.diagonal().clone()
+    mean_diag = diagonal.mean()
     for attempt in range(MAX_DAMP_ATTEMPTS):
         damp = damp_percent * DAMP_GROWTH**attempt
-        damped = hessian.clone()
-        damped.diagonal().add_(damp * mean_diag)
-        lower, info = torch.linalg.cholesky_ex(damped)
+        hessian.diagonal().copy_(diagonal + damp * mean_diag)
+        lower, info = torch.linalg.cholesky_ex(hessian)
         if info.item() == 0:
-            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+            inverse = torch.cholesky_inverse(lower)
+            del lower
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            del inverse
             if info.item() == 0:
                 return upper, damp
         retry = attempt + 1 < MAX_DAMP_ATTEMPTS
@@ -274,7 +277,8 @@ def gptq_quantize(
     order = torch.arange(cols, device=W.device)
     if options.act_order:
         order = torch.argsort(H.diagonal(), descending=True, stable=True)
-        W, H = W[:, order], H[order][:, order]
+        W, H = W[:, order], H[order]
+        H = H[:, order]  # a statement of its own: the unpermuted H is freed before the second copy
 
     U, damp_percent = inverse_hessian_factor(H, options.damp_percent, layer_label(weight))
     del H

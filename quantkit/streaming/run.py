@@ -37,13 +37,21 @@ from quantkit.nn.qlinear import QuantLinear
 from quantkit.outputs import apply_umask, check_output_target, replace_atomically
 from quantkit.qtensor import QuantizationError
 from quantkit.streaming.checkpoint import SafetensorsCheckpoint
-from quantkit.streaming.skeleton import StreamedLayers, build_skeleton, load_outside_layers
+from quantkit.streaming.skeleton import (
+    StreamedLayers,
+    build_skeleton,
+    load_outside_layers,
+    map_large_allocations,
+    read_outside_tensor,
+    release_outside_layers,
+)
 from quantkit.streaming.workdir import RESUME_INTERVAL_S, WorkDir, pause_between_phases, run_key, work_dir_for
 
 log = logging.getLogger("quantkit")
 
 def open_streamed_model(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, SafetensorsCheckpoint]:
     """The meta skeleton of `source` with its tensors outside the decoder layers loaded."""
+    map_large_allocations()
     try:
         ckpt = SafetensorsCheckpoint(source)
         model = build_skeleton(source, dtype)
@@ -90,11 +98,11 @@ def _quantized_names(model: nn.Module, adapter: ArchAdapter) -> set[str]:
     return names
 
 
-def _export_plan(model: nn.Module, adapter: ArchAdapter, work: WorkDir, dtype: torch.dtype
-                 ) -> tuple[list[tuple[str, int]], TensorSpec, Callable[[str], torch.Tensor]]:
+def _export_plan(model: nn.Module, adapter: ArchAdapter, ckpt: SafetensorsCheckpoint, work: WorkDir,
+                 dtype: torch.dtype) -> tuple[list[tuple[str, int]], TensorSpec, Callable[[str], torch.Tensor]]:
     """The tensor order of the in-memory export (dense tensors in state-dict order, then each quantized
     linear's), so that both paths cut the same shards; each tensor's dtype and shape; a loader reading
-    one tensor at a time from the work files (or, outside the layers, from the model)."""
+    one tensor at a time from the work files (or, outside the layers, from the checkpoint)."""
     per_layer = work.tensor_sizes()
     owner = {key: i for i, sizes in enumerate(per_layer) for key, _ in sizes}
     specs = work.tensor_specs()
@@ -109,7 +117,7 @@ def _export_plan(model: nn.Module, adapter: ArchAdapter, work: WorkDir, dtype: t
 
     def load(key: str) -> torch.Tensor:
         if key not in owner:
-            return cast_dense(state[key], dtype)
+            return cast_dense(read_outside_tensor(model, ckpt, key), dtype)
         with safe_open(work.layer_file(owner[key]), "pt") as f:
             return f.get_tensor(key)
 
@@ -162,7 +170,8 @@ def quantize_streaming(
     with _disk_errors(work.path):
         output.parent.mkdir(parents=True, exist_ok=True)
         start = work.open(resume)
-        layer_source = layer_source or StreamedLayers(ckpt, adapter, next(model.parameters()).dtype)
+        layer_source = layer_source or StreamedLayers(ckpt, adapter, next(model.parameters()).dtype,
+                                                     read_ahead=device.type == "cuda")
 
         def on_layer_done(index: int, layer: nn.Module, outputs: list[torch.Tensor], entry: dict) -> None:
             pause_between_phases()
@@ -172,6 +181,7 @@ def quantize_streaming(
             report = quantize_model(model, adapter, calib, config, device=device, batch_size=batch_size,
                                     show_progress=show_progress, layer_source=layer_source,
                                     on_layer_done=on_layer_done, start_layer=start,
+                                    on_inputs_captured=lambda: release_outside_layers(model, adapter, ckpt),
                                     hidden_states=work.hidden_states(start) if start else None,
                                     offload_dir=offload_dir)
         except BaseException:
@@ -181,19 +191,20 @@ def quantize_streaming(
         report.layers = work.entries()
         report.fallbacks = [f"layer {e['layer']} {name}: {info['fallback']}" for e in report.layers
                             for name, info in e["linears"].items() if info.get("fallback")]
-        _write_export(model, adapter, tokenizer, config, fmt_name, torch_dtype, report, work, output)
+        _write_export(model, adapter, ckpt, tokenizer, config, fmt_name, torch_dtype, report, work, output)
     return output, report
 
 
-def _write_export(model: PreTrainedModel, adapter: ArchAdapter, tokenizer, config: QuantConfig, fmt_name: str,
-                  torch_dtype: torch.dtype, report: QuantReport, work: WorkDir, output: Path) -> None:
+def _write_export(model: PreTrainedModel, adapter: ArchAdapter, ckpt: SafetensorsCheckpoint, tokenizer,
+                  config: QuantConfig, fmt_name: str, torch_dtype: torch.dtype, report: QuantReport, work: WorkDir,
+                  output: Path) -> None:
     """Assemble the export inside the work folder, rename it to `output`, then drop the work folder."""
     folder = work.path / "export"
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir()
     pause_between_phases()
-    write_shards(folder, *_export_plan(model, adapter, work, torch_dtype))
+    write_shards(folder, *_export_plan(model, adapter, ckpt, work, torch_dtype))
     write_metadata(folder, model, tokenizer, config, fmt_name, torch_dtype, report.to_dict())
     pause_between_phases()
     apply_umask(folder)

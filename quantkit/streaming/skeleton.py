@@ -36,7 +36,7 @@ def _set_tensor(root: nn.Module, name: str, value: torch.Tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     module = root.get_submodule(owner)
     if leaf in module._parameters:
-        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        module._parameters[leaf] = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=False)
     else:
         module._buffers[leaf] = value
 
@@ -56,15 +56,47 @@ def load_outside_layers(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, ada
         raise QuantizationError(f"{ckpt.folder}: the checkpoint has no tensor {still_meta[0]!r}")
 
 
+def release_outside_layers(model: PreTrainedModel, adapter: ArchAdapter, ckpt: SafetensorsCheckpoint) -> None:
+    """Put the tensors load_outside_layers read back on the meta device once the calibration inputs are
+    captured: the layers never use them, and the export reads them again one at a time
+    (read_outside_tensor). Those the checkpoint lacks (buffers the model computes) stay; tied tensors stay
+    tied: each distinct tensor gets one meta stand-in."""
+    layer_prefix = adapter.layers + "."
+    state = {n: t for n, t in model.state_dict(keep_vars=True).items() if not n.startswith(layer_prefix)}
+    stored = {id(t) for n, t in state.items() if n in ckpt.weight_map and not t.is_meta}
+    stand_ins: dict[int, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if id(tensor) not in stored:
+            continue
+        if id(tensor) not in stand_ins:
+            meta = tensor.detach().to("meta")
+            stand_ins[id(tensor)] = nn.Parameter(meta, False) if isinstance(tensor, nn.Parameter) else meta
+        _set_tensor(model, name, stand_ins[id(tensor)])
+    _return_freed_memory()
+
+
+def read_outside_tensor(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, name: str) -> torch.Tensor:
+    """Tensor `name` outside the layers, from the model if real, else as load_outside_layers loaded it
+    (in the model's dtype) from the checkpoint, under whichever of its tied names the checkpoint uses."""
+    state = model.state_dict(keep_vars=True)
+    if not state[name].is_meta:
+        return state[name]
+    stored = next(n for n, t in state.items() if t is state[name] and n in ckpt.weight_map)
+    value = ckpt.read([stored])[stored]
+    return value.to(state[name].dtype) if value.is_floating_point() else value
+
+
 class StreamedLayers:
-    """Loads decoder layer i from the checkpoint just before its step and frees it after; layer i+1's tensors
-    are read from disk by a background thread while layer i computes (one more layer in host memory).
+    """Loads decoder layer i from the checkpoint just before its step and frees it after. With `read_ahead`
+    (a GPU run, where host memory is not the limit), layer i+1's tensors are read from disk by a background
+    thread while layer i computes: one more layer in host memory.
 
     For the memory-bound tests: `live` / `peak_live` count the layers holding real weights, `held` /
     `peak_held` the layers in host memory (those and the one read ahead)."""
 
-    def __init__(self, ckpt: SafetensorsCheckpoint, adapter: ArchAdapter, dtype: torch.dtype) -> None:
-        self.ckpt, self.adapter, self.dtype = ckpt, adapter, dtype
+    def __init__(self, ckpt: SafetensorsCheckpoint, adapter: ArchAdapter, dtype: torch.dtype,
+                 read_ahead: bool = False) -> None:
+        self.ckpt, self.adapter, self.dtype, self.read_ahead = ckpt, adapter, dtype, read_ahead
         self.live = self.peak_live = self.held = self.peak_held = 0
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-prefetch")
         self._prefetched: tuple[int, Future] | None = None
@@ -104,9 +136,27 @@ class StreamedLayers:
     def _prefetch(self, index: int, names: list[str]) -> None:
         """Layer `index`'s tensors, if it has the same names as this one (the last layer's next has none)."""
         keys = [self._prefix(index) + n for n in names]
-        if all(k in self.ckpt.weight_map for k in keys):
+        if self.read_ahead and all(k in self.ckpt.weight_map for k in keys):
             self._count_held()
             self._prefetched = (index, self._reader.submit(self.ckpt.read, keys))
+
+
+# glibc's mmap threshold (M_MMAP_THRESHOLD) and the size it is set to while streaming.
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_BYTES = 2**20
+
+
+def map_large_allocations() -> None:
+    """Serve every allocation of 1 MiB or more with its own mapping, given back to the OS when freed.
+
+    By default glibc raises this threshold to the largest block freed so far (up to 32 MiB), after which
+    such tensors (a layer's weights, GPTQ's Hessians and factors) come from the heap, whose freed blocks
+    stay resident until a trim; a fixed threshold also turns the dynamic raise off (mallopt(3)).
+    Process-wide: set by open_streamed_model, whose whole point is a bounded resident set."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):  # not glibc: its own policy applies
+        pass
 
 
 def _return_freed_memory() -> None:
