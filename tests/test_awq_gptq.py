@@ -7,6 +7,7 @@ text, one thread) for the claim: awq-gptq beats act-order GPTQ and RTN on held-o
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -19,8 +20,15 @@ from quantkit.engine import quantize_model
 from quantkit.export import export_checkpoint, quantized_modules
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear
-from quantkit.quantizers.awq_gptq import AWQGPTQOptions
-from quantkit.quantizers.gptq import GPTQOptions
+from quantkit.qtensor import QuantizationError, compute_qparams, fake_quantize
+from quantkit.quantizers.awq_gptq import (
+    SHRINK_STEP,
+    AWQGPTQOptions,
+    HessianWeightedGrid,
+    gptq_trial,
+    hessian_grid,
+)
+from quantkit.quantizers.gptq import GPTQOptions, gptq_quantize
 from quantkit.reload import load_quantized
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -47,16 +55,58 @@ def logits_error(model, reference: torch.Tensor, ids: torch.Tensor) -> float:
 def test_defaults_are_act_order_and_awqs() -> None:
     options = AWQGPTQOptions()
     assert options.act_order and options.clip and options.grid == 20
+    assert options.scale_score == "gptq" and options.range_steps == 16
+    with pytest.raises(QuantizationError, match="range_steps must be at most 40"):
+        AWQGPTQOptions(range_steps=41)
     config = QuantConfig(method="awq-gptq", group_size=32)
     assert config.label() == "awq-gptq W4A16 g32 sym act-order"
     assert QuantConfig.from_dict(config.to_dict()).options == options
 
 
+def test_hessian_grid_is_the_best_shrunk_range_by_brute_force() -> None:
+    """Per (row, group): the shrink of 1, 0.98, ... whose min-max grid minimises sum_j H_jj (w_j - q_j)^2."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 2, 16, generator=gen, dtype=torch.float64)
+    w[0, 0, 3] = 9.0  # an outlier on an unimportant input channel: the search cuts it
+    importance = torch.rand(32, generator=gen, dtype=torch.float64)
+    importance[3] = 1e-3
+    for sym in (True, False):
+        config = QuantConfig(method="awq-gptq", group_size=16, sym=sym)
+        scale, zero = HessianWeightedGrid(importance, config, steps=16).qparams(w)
+        for row, group in itertools.product(range(6), range(2)):
+            weights, h = w[row, group], importance[16 * group:16 * group + 16]
+            errors = []
+            for step in range(16):
+                shrink = 1 - step * SHRINK_STEP
+                s, z = compute_qparams(shrink * weights.min(), shrink * weights.max(), 4, sym)
+                errors.append(((fake_quantize(weights, s, z, 4) - weights) ** 2 * h).sum().item())
+            best = min(range(16), key=errors.__getitem__)
+            lo, hi = (1 - best * SHRINK_STEP) * weights.min(), (1 - best * SHRINK_STEP) * weights.max()
+            expected = compute_qparams(lo, hi, 4, sym)
+            assert (scale[row, group], zero[row, group]) == pytest.approx(expected, abs=0), (sym, row, group)
+        assert scale[0, 0] < compute_qparams(w[0, 0].min(), w[0, 0].max(), 4, sym)[0]  # the outlier was cut
+
+
+def test_gptq_trial_is_gptq_of_the_folded_linear() -> None:
+    """The scale search's GPTQ candidate, from the unfolded Hessian, equals GPTQ on the folded linear and inputs."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(8, 32, generator=gen, dtype=torch.float64)
+    x = torch.randn(64, 32, generator=gen, dtype=torch.float64) * torch.linspace(0.1, 4, 32, dtype=torch.float64)
+    scales = torch.rand(32, generator=gen, dtype=torch.float64) + 0.5
+    config = QuantConfig(method="awq-gptq", group_size=16)
+    hessian = 2 / 64 * x.T @ x
+    folded_x = x / scales
+    folded_hessian = 2 / 64 * folded_x.T @ folded_x
+    expected = gptq_quantize(weight * scales, folded_hessian, config, hessian_grid(folded_hessian, config))
+    trial = gptq_trial(hessian, config)(weight, scales)
+    torch.testing.assert_close(trial * scales, expected.dequantize(torch.float64), rtol=1e-12, atol=1e-12)
+
+
 def test_smoothing_is_awqs_and_clipping_is_optional() -> None:
-    """Layer 0 sees the same inputs under AWQ and awq-gptq: its folded norms are AWQ's, to the bit."""
+    """Layer 0 sees the same inputs under AWQ and awq-gptq scoring by RTN: its folded norms are AWQ's, to the bit."""
     original, calib = outlier_model("llama"), random_calibration()
     awq, _ = quantized(original, calib, QuantConfig(method="awq", group_size=32))
-    unclipped = QuantConfig(method="awq-gptq", group_size=32, options=AWQGPTQOptions(clip=False))
+    unclipped = QuantConfig(method="awq-gptq", group_size=32, options=AWQGPTQOptions(clip=False, scale_score="rtn"))
     ours, report = quantized(original, calib, unclipped)
     for norm in ("input_layernorm", "post_attention_layernorm"):
         expected = awq.model.layers[0].get_submodule(norm).weight
