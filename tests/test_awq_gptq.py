@@ -36,8 +36,10 @@ REPORT = "smollm2_awq_gptq"  # QUANTKIT_TEST_REPORT=DIR: DIR/smollm2_awq_gptq.js
 # 5 scale ratios instead of AWQ's 20: a quarter of the scale search's block evaluations (as test_smollm2_awq.py)
 # 302 s in a CI worker (scripts/test.sh on the 2-core machine, 2026-12-06: 15 s setup, 287 s call)
 SLOW_SECONDS = 302
-# Measured: 0.112 (English -0.18, Korean +0.64); issue #31's target of 0.25 is not met on this model
-MIN_CLOSED = 0.05
+# Share of GPTQ's gap to fp closed, per text then averaged (issue #31's measure, target 0.25): measured 0.525
+# (English 0.239, Korean 0.811)
+MIN_CLOSED = 0.45
+MIN_CLOSED_PER_TEXT = 0.2
 SMOLLM2_AWQ_GPTQ = QuantConfig(method="awq-gptq", group_size=64, options=AWQGPTQOptions(grid=5, clip=False))
 
 
@@ -129,9 +131,9 @@ def test_beats_gptq_and_rtn_on_logits(act_bits: int) -> None:
     for label, (method, options) in runs.items():
         config = QuantConfig(method=method, group_size=32, act_bits=act_bits, options=options)
         errors[label] = logits_error(quantized(original, calib, config)[0], reference, heldout)
-    assert errors["awq-gptq"] < 0.9 * errors["gptq"] < 0.9 * errors["rtn"], errors
-    # AWQ's clipping (RTN's best range) takes most of the gain back: GPTQ compensates better unclipped
-    assert errors["awq-gptq"] < errors["clipped"] < errors["gptq"], errors
+    assert errors["awq-gptq"] < 0.95 * errors["gptq"] < 0.95 * 0.7 * errors["rtn"], errors
+    # AWQ's clipping (RTN's best range) takes the gain back: GPTQ compensates better unclipped
+    assert errors["awq-gptq"] < 0.9 * errors["clipped"], errors
 
 
 @pytest.mark.parametrize(("fmt", "sym", "act_bits"), [
@@ -152,13 +154,14 @@ def test_every_format_exports_and_reloads(tmp_path, fmt: str, sym: bool, act_bit
 
 @pytest.mark.slow(seconds=SLOW_SECONDS)
 def test_smollm2_beats_gptq_and_rtn(smollm2_setup, smollm2_recorder) -> None:
-    """Mean NLL of both texts, measured 2026-12-06 (benchmarks/accuracy/NEW_METHOD.md): fp 2.136, awq-gptq 2.323,
-    GPTQ act-order 2.347, RTN 2.545."""
+    """Held-out NLL (English, Korean) measured 2026-12-06 (benchmarks/accuracy/NEW_METHOD.md): fp 2.881, 1.390;
+    awq-gptq 3.089, 1.418; GPTQ act-order 3.155, 1.539; RTN 3.240, 1.850."""
     model, _, calib, _ = smollm2_setup
-    fp = mean(smollm2_recorder.nll(model, "fp32"))
-    nll = {"rtn": mean(smollm2_recorder.quantized(model, calib, QuantConfig(method="rtn", group_size=64))[0]),
-           "gptq": mean(smollm2_recorder.quantized(
-               model, calib, QuantConfig(method="gptq", group_size=64, options=GPTQOptions(act_order=True)))[0]),
-           "awq-gptq": mean(smollm2_recorder.quantized(model, calib, SMOLLM2_AWQ_GPTQ)[0])}
-    closed = (nll["gptq"] - nll["awq-gptq"]) / (nll["gptq"] - fp)  # the share of GPTQ's gap to fp it closes
-    assert closed > MIN_CLOSED and nll["awq-gptq"] < nll["gptq"] < nll["rtn"], (fp, nll)
+    fp = smollm2_recorder.nll(model, "fp32")
+    nll = {"rtn": smollm2_recorder.quantized(model, calib, QuantConfig(method="rtn", group_size=64))[0],
+           "gptq": smollm2_recorder.quantized(
+               model, calib, QuantConfig(method="gptq", group_size=64, options=GPTQOptions(act_order=True)))[0],
+           "awq-gptq": smollm2_recorder.quantized(model, calib, SMOLLM2_AWQ_GPTQ)[0]}
+    closed = {text: (nll["gptq"][text] - nll["awq-gptq"][text]) / (nll["gptq"][text] - fp[text]) for text in fp}
+    assert mean(closed) > MIN_CLOSED and min(closed.values()) > MIN_CLOSED_PER_TEXT, (closed, fp, nll)
+    assert mean(nll["awq-gptq"]) < mean(nll["gptq"]) < mean(nll["rtn"]), (fp, nll)

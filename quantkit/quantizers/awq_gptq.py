@@ -1,18 +1,25 @@
 """AWQ's scales, then GPTQ: per decoder layer, AWQ's scale search (quantkit.quantizers.awq) picks a per-channel
 scale for each scaling group and folds it into the layer (the layer's function is unchanged), then every
 linear of the smoothed layer is quantized by GPTQ (quantkit.quantizers.gptq, act-order with static groups by
-default) from the inputs it receives after the fold.
+default) from the inputs it receives after the fold. Two changes make the pair better than either step's own
+rule (measured in benchmarks/accuracy/NEW_METHOD.md):
 
-The two steps are AWQ's and GPTQ's own code, called, with their options side by side (AWQGPTQOptions).
-AWQ's scale search scores each candidate by the output error of RTN on the scaled weights, not of GPTQ: the
-scales that help rounding the most are taken as a proxy for the ones that help GPTQ (an exact score would run
-GPTQ per candidate and per group, 20x its cost).
+* scale_score="gptq": each candidate scale is scored by the block output error after *GPTQ* quantizes the
+  scaled linears (AWQ scores by RTN's). Folding s divides the group's inputs by s, so GPTQ runs on W diag(s)
+  with diag(1/s) H diag(1/s), H captured once per group: no extra forward pass per candidate, but one GPTQ per
+  candidate and linear (options.grid times GPTQ's cost for the searched linears). Ratio 0 is s = 1, so the
+  chosen scales never score worse than plain GPTQ; RTN's score picks scales that help rounding, not
+  necessarily GPTQ's compensation.
+* range_steps: GPTQ's static group grids (act-order fixes them up front) are each shrunk by the factor, of
+  1, 0.98, ..., that minimises sum_j H_jj (w_j - q_j)^2 over the group (HessianWeightedGrid): the MSE range
+  search of GPTQModel's `mse` option and llm-compressor's MSE observer, weighted by the diagonal of the
+  Hessian as the layer's output error weights each input channel. It goes through GPTQ's WeightGrid hook.
 
 AWQ's clipping (AWQOptions.clip) clamps each group's weights to the range whose *rounding* error is smallest,
-while GPTQ spreads each column's error over the columns still to come: the range RTN prefers is not the one
-GPTQ's compensation does, and clamping discards weight mass GPTQ could have compensated for. The measured runs
-(benchmarks/accuracy/NEW_METHOD.md) use --no-clip; the default stays AWQ's (on) because `quantkit quantize`
-shares one flag, and so one default, between every method that declares the field (cli._declared_options).
+while GPTQ spreads each column's error over the columns still to come: clamping discards weight mass GPTQ could
+have compensated for. The measured runs use --no-clip and grid=5; the defaults of `grid` and `clip` stay AWQ's
+(20, on) because `quantkit quantize` shares one flag, and so one default, between every method that declares
+the field (cli._declared_options).
 
 W4A16 and W4A8 (per-token int8 activations, symmetric weights): GPTQ's weights do not depend on act_bits.
 """
