@@ -17,9 +17,9 @@ rule (measured in benchmarks/accuracy/NEW_METHOD.md):
 
 AWQ's clipping (AWQOptions.clip) clamps each group's weights to the range whose *rounding* error is smallest,
 while GPTQ spreads each column's error over the columns still to come: clamping discards weight mass GPTQ could
-have compensated for. The measured runs use --no-clip and grid=5; the defaults of `grid` and `clip` stay AWQ's
-(20, on) because `quantkit quantize` shares one flag, and so one default, between every method that declares
-the field (cli._declared_options).
+have compensated for: awq-gptq's defaults are no clipping and 5 ratios (the measured setting). `quantkit
+quantize` shares one flag, and so one default, between the methods that declare a field (cli._declared_options
+takes the first method's, AWQ's 20 and on): on the command line pass --awq-grid 5 --no-clip.
 
 W4A16 and W4A8 (per-token int8 activations, symmetric weights): GPTQ's weights do not depend on act_bits.
 """
@@ -45,10 +45,13 @@ MAX_RANGE_STEPS = 40  # down to 0.22 of the range
 
 @dataclass(frozen=True)
 class AWQGPTQOptions(GPTQOptions, AWQOptions):
-    """GPTQ's options and AWQ's scale search's; act-order on by default, as the CLI has it for GPTQ."""
+    """GPTQ's options and AWQ's scale search's; act-order on by default, as the CLI has it for GPTQ. grid and clip
+    default to the measured setting (5 ratios: each costs a GPTQ run per searched linear; AWQ's clipping off)."""
 
     act_order: bool = option(True, "act-order with static groups (no inference cost)",
                              flag="--act-order/--no-act-order")
+    grid: int = option(5, "scale ratios searched (0, 1/grid, ...)", flag="--awq-grid", legacy="awq_grid", minimum=1)
+    clip: bool = option(False, "search clipping ranges", flag="--clip/--no-clip", legacy="awq_clip")
     scale_score: str = option("gptq", "score AWQ's candidate scales by the output error after GPTQ or RTN",
                               choices=("gptq", "rtn"))
     range_steps: int = option(16, "group ranges searched by diag(H)-weighted error (1: min-max)",
