@@ -1,15 +1,14 @@
 """AWQ's scales, then GPTQ: per decoder layer, AWQ's scale search (quantkit.quantizers.awq) picks a per-channel
 scale for each scaling group and folds it into the layer (the layer's function is unchanged), then every
 linear of the smoothed layer is quantized by GPTQ (quantkit.quantizers.gptq, act-order with static groups by
-default) from the inputs it receives after the fold. Two changes make the pair better than either step's own
-rule (measured in benchmarks/accuracy/NEW_METHOD.md):
+default) from the inputs it receives after the fold. On top of the two steps (measured in
+benchmarks/accuracy/NEW_METHOD.md):
 
-* scale_score="gptq": each candidate scale is scored by the block output error after *GPTQ* quantizes the
-  scaled linears (AWQ scores by RTN's). Folding s divides the group's inputs by s, so GPTQ runs on W diag(s)
-  with diag(1/s) H diag(1/s), H captured once per group: no extra forward pass per candidate, but one GPTQ per
-  candidate and linear (options.grid times GPTQ's cost for the searched linears). Ratio 0 is s = 1, so the
-  chosen scales never score worse than plain GPTQ; RTN's score picks scales that help rounding, not
-  necessarily GPTQ's compensation.
+* scale_score="gptq" (an option; "rtn", AWQ's own score, is the default): each candidate scale is scored by
+  the block output error after *GPTQ* quantizes the scaled linears. Folding s divides the group's inputs by s,
+  so GPTQ runs on W diag(s) with diag(1/s) H diag(1/s), H captured once per group: one GPTQ per candidate and
+  searched linear. Ratio 0 is s = 1, so the chosen scales never score worse than plain GPTQ. Measured, it
+  helps SmolLM2 (English most) but costs Gemma-3 Korean, at ~2.3x awq-gptq's quantize time.
 * range_steps: GPTQ's static group grids (act-order fixes them up front) are each shrunk by the factor, of
   1, 0.98, ..., that minimises sum_j H_jj (w_j - q_j)^2 over the group (HessianWeightedGrid): the MSE range
   search of GPTQModel's `mse` option and llm-compressor's MSE observer, weighted by the diagonal of the
@@ -46,14 +45,14 @@ MAX_RANGE_STEPS = 40  # down to 0.22 of the range
 @dataclass(frozen=True)
 class AWQGPTQOptions(GPTQOptions, AWQOptions):
     """GPTQ's options and AWQ's scale search's; act-order on by default, as the CLI has it for GPTQ. grid and clip
-    default to the measured setting (5 ratios: each costs a GPTQ run per searched linear; AWQ's clipping off)."""
+    default to the measured setting (5 ratios, AWQ's clipping off)."""
 
     act_order: bool = option(True, "act-order with static groups (no inference cost)",
                              flag="--act-order/--no-act-order")
     grid: int = option(5, "scale ratios searched (0, 1/grid, ...)", flag="--awq-grid", legacy="awq_grid", minimum=1)
     clip: bool = option(False, "search clipping ranges", flag="--clip/--no-clip", legacy="awq_clip")
-    scale_score: str = option("gptq", "score AWQ's candidate scales by the output error after GPTQ or RTN",
-                              choices=("gptq", "rtn"))
+    scale_score: str = option("rtn", "score AWQ's candidate scales by the output error after RTN or GPTQ",
+                              choices=("rtn", "gptq"))
     range_steps: int = option(16, "group ranges searched by diag(H)-weighted error (1: min-max)",
                               flag="--range-steps", minimum=1)
 
