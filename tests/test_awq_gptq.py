@@ -133,8 +133,8 @@ def test_beats_gptq_and_rtn_on_logits(act_bits: int) -> None:
         config = QuantConfig(method=method, group_size=32, act_bits=act_bits, options=options)
         errors[label] = logits_error(quantized(original, calib, config)[0], reference, heldout)
     assert errors["awq-gptq"] < 0.95 * errors["gptq"] < 0.95 * 0.7 * errors["rtn"], errors
-    # AWQ's clipping (RTN's best range) takes the gain back: GPTQ compensates better unclipped
-    assert errors["awq-gptq"] < 0.9 * errors["clipped"], errors
+    # AWQ's clipping (RTN's best range) before GPTQ does not help: GPTQ compensates better unclipped
+    assert errors["awq-gptq"] < errors["clipped"], errors
 
 
 @pytest.mark.parametrize(("fmt", "sym", "act_bits"), [
