@@ -34,8 +34,8 @@ from quantkit.reload import load_quantized
 pytestmark = pytest.mark.usefixtures("single_thread")
 REPORT = "smollm2_awq_gptq"  # QUANTKIT_TEST_REPORT=DIR: DIR/smollm2_awq_gptq.json
 # awq-gptq's defaults: 5 scale ratios (a quarter of AWQ's block evaluations), no AWQ clipping
-# 302 s in a CI worker (scripts/test.sh on the 2-core machine, 2026-12-06: 15 s setup, 287 s call)
-SLOW_SECONDS = 302
+# 572 s measured alone on the loaded 2-core machine (2026-12-06: 30 s setup, 542 s call; 341 s of one core's time)
+SLOW_SECONDS = 572
 # Share of GPTQ's gap to fp closed, per text then averaged (issue #31's measure, target 0.25): measured 0.455
 # (English 0.126, Korean 0.785)
 MIN_CLOSED = 0.4

@@ -8,7 +8,7 @@ benchmarks/accuracy/NEW_METHOD.md):
   the block output error after *GPTQ* quantizes the scaled linears. Folding s divides the group's inputs by s,
   so GPTQ runs on W diag(s) with diag(1/s) H diag(1/s), H captured once per group: one GPTQ per candidate and
   searched linear. Ratio 0 is s = 1, so the chosen scales never score worse than plain GPTQ. Measured, it
-  helps SmolLM2 (English most) but costs Gemma-3 Korean, at 1.6x to 2.4x awq-gptq's quantize time.
+  helps SmolLM2 (English most) but costs Gemma-3 Korean; on SmolLM2 either score quantizes in ~2.2x GPTQ's time.
 * range_steps: GPTQ's static group grids (act-order fixes them up front) are each shrunk by the factor, of
   1, 0.98, ..., that minimises sum_j H_jj (w_j - q_j)^2 over the group (HessianWeightedGrid): the MSE range
   search of GPTQModel's `mse` option and llm-compressor's MSE observer, weighted by the diagonal of the
