@@ -7,6 +7,7 @@ text, one thread) for the claim: awq-gptq beats act-order GPTQ and RTN on held-o
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -19,18 +20,27 @@ from quantkit.engine import quantize_model
 from quantkit.export import export_checkpoint, quantized_modules
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear
-from quantkit.quantizers.awq_gptq import AWQGPTQOptions
-from quantkit.quantizers.gptq import GPTQOptions
+from quantkit.qtensor import QuantizationError, compute_qparams, fake_quantize
+from quantkit.quantizers.awq_gptq import (
+    SHRINK_STEP,
+    AWQGPTQOptions,
+    HessianWeightedGrid,
+    gptq_trial,
+    hessian_grid,
+)
+from quantkit.quantizers.gptq import GPTQOptions, gptq_quantize
 from quantkit.reload import load_quantized
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 REPORT = "smollm2_awq_gptq"  # QUANTKIT_TEST_REPORT=DIR: DIR/smollm2_awq_gptq.json
-# 5 scale ratios instead of AWQ's 20: a quarter of the scale search's block evaluations (as test_smollm2_awq.py)
-# 302 s in a CI worker (scripts/test.sh on the 2-core machine, 2026-12-06: 15 s setup, 287 s call)
-SLOW_SECONDS = 302
-# Measured: 0.112 (English -0.18, Korean +0.64); issue #31's target of 0.25 is not met on this model
-MIN_CLOSED = 0.05
-SMOLLM2_AWQ_GPTQ = QuantConfig(method="awq-gptq", group_size=64, options=AWQGPTQOptions(grid=5, clip=False))
+# awq-gptq's defaults: 5 scale ratios (a quarter of AWQ's block evaluations), no AWQ clipping
+# 572 s measured alone on the loaded 2-core machine (2026-12-06: 30 s setup, 542 s call; 341 s of one core's time)
+SLOW_SECONDS = 572
+# Share of GPTQ's gap to fp closed, per text then averaged (issue #31's measure, target 0.25): measured 0.455
+# (English 0.126, Korean 0.785)
+MIN_CLOSED = 0.4
+MIN_CLOSED_PER_TEXT = 0.1
+SMOLLM2_AWQ_GPTQ = QuantConfig(method="awq-gptq", group_size=64)
 
 
 def quantized(original, calib, config: QuantConfig):
@@ -46,24 +56,67 @@ def logits_error(model, reference: torch.Tensor, ids: torch.Tensor) -> float:
 
 def test_defaults_are_act_order_and_awqs() -> None:
     options = AWQGPTQOptions()
-    assert options.act_order and options.clip and options.grid == 20
+    assert options.act_order and not options.clip and options.grid == 5
+    assert options.scale_score == "rtn" and options.range_steps == 16
+    with pytest.raises(QuantizationError, match="range_steps must be at most 40"):
+        AWQGPTQOptions(range_steps=41)
     config = QuantConfig(method="awq-gptq", group_size=32)
     assert config.label() == "awq-gptq W4A16 g32 sym act-order"
     assert QuantConfig.from_dict(config.to_dict()).options == options
 
 
+def test_hessian_grid_is_the_best_shrunk_range_by_brute_force() -> None:
+    """Per (row, group): the shrink of 1, 0.98, ... whose min-max grid minimises sum_j H_jj (w_j - q_j)^2."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 2, 16, generator=gen, dtype=torch.float64)
+    w[0, 0, 3] = 9.0  # an outlier on an unimportant input channel: the search cuts it
+    importance = torch.rand(32, generator=gen, dtype=torch.float64)
+    importance[3] = 1e-3
+    for sym in (True, False):
+        config = QuantConfig(method="awq-gptq", group_size=16, sym=sym)
+        scale, zero = HessianWeightedGrid(importance, config, steps=16).qparams(w)
+        for row, group in itertools.product(range(6), range(2)):
+            weights, h = w[row, group], importance[16 * group:16 * group + 16]
+            errors = []
+            for step in range(16):
+                shrink = 1 - step * SHRINK_STEP
+                s, z = compute_qparams(shrink * weights.min(), shrink * weights.max(), 4, sym)
+                errors.append(((fake_quantize(weights, s, z, 4) - weights) ** 2 * h).sum().item())
+            best = min(range(16), key=errors.__getitem__)
+            lo, hi = (1 - best * SHRINK_STEP) * weights.min(), (1 - best * SHRINK_STEP) * weights.max()
+            expected = compute_qparams(lo, hi, 4, sym)
+            assert (scale[row, group], zero[row, group]) == pytest.approx(expected, abs=0), (sym, row, group)
+        assert scale[0, 0] < compute_qparams(w[0, 0].min(), w[0, 0].max(), 4, sym)[0]  # the outlier was cut
+
+
+def test_gptq_trial_is_gptq_of_the_folded_linear() -> None:
+    """The scale search's GPTQ candidate, from the unfolded Hessian, equals GPTQ on the folded linear and inputs."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(8, 32, generator=gen, dtype=torch.float64)
+    x = torch.randn(64, 32, generator=gen, dtype=torch.float64) * torch.linspace(0.1, 4, 32, dtype=torch.float64)
+    scales = torch.rand(32, generator=gen, dtype=torch.float64) + 0.5
+    config = QuantConfig(method="awq-gptq", group_size=16)
+    hessian = 2 / 64 * x.T @ x
+    folded_x = x / scales
+    folded_hessian = 2 / 64 * folded_x.T @ folded_x
+    expected = gptq_quantize(weight * scales, folded_hessian, config, hessian_grid(folded_hessian, config))
+    trial = gptq_trial(hessian, config)(weight, scales)
+    torch.testing.assert_close(trial * scales, expected.dequantize(torch.float64), rtol=1e-12, atol=1e-12)
+
+
 def test_smoothing_is_awqs_and_clipping_is_optional() -> None:
-    """Layer 0 sees the same inputs under AWQ and awq-gptq: its folded norms are AWQ's, to the bit."""
+    """Layer 0 sees the same inputs under AWQ and awq-gptq scoring by RTN: its folded norms are AWQ's, to the bit."""
     original, calib = outlier_model("llama"), random_calibration()
     awq, _ = quantized(original, calib, QuantConfig(method="awq", group_size=32))
-    unclipped = QuantConfig(method="awq-gptq", group_size=32, options=AWQGPTQOptions(clip=False))
+    unclipped = QuantConfig(method="awq-gptq", group_size=32, options=AWQGPTQOptions(grid=20, scale_score="rtn"))
     ours, report = quantized(original, calib, unclipped)
     for norm in ("input_layernorm", "post_attention_layernorm"):
         expected = awq.model.layers[0].get_submodule(norm).weight
         assert torch.equal(ours.model.layers[0].get_submodule(norm).weight, expected), norm
         assert not torch.equal(expected, original.model.layers[0].get_submodule(norm).weight), norm
     assert all("clip" not in layer["smoothing"] for layer in report.layers)
-    _, report = quantized(original, calib, QuantConfig(method="awq-gptq", group_size=32))
+    clipped = QuantConfig(method="awq-gptq", group_size=32, options=AWQGPTQOptions(clip=True))
+    _, report = quantized(original, calib, clipped)
     assert all("clip" in layer["smoothing"] for layer in report.layers)
 
 
@@ -73,15 +126,15 @@ def test_beats_gptq_and_rtn_on_logits(act_bits: int) -> None:
     heldout = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         reference = original(heldout).logits
-    runs = {"rtn": ("rtn", None), "gptq": ("gptq", GPTQOptions(act_order=True)), "clipped": ("awq-gptq", None),
-            "awq-gptq": ("awq-gptq", AWQGPTQOptions(clip=False))}
+    runs = {"rtn": ("rtn", None), "gptq": ("gptq", GPTQOptions(act_order=True)), "clipped": ("awq-gptq", AWQGPTQOptions(clip=True)),
+            "awq-gptq": ("awq-gptq", None)}
     errors = {}
     for label, (method, options) in runs.items():
         config = QuantConfig(method=method, group_size=32, act_bits=act_bits, options=options)
         errors[label] = logits_error(quantized(original, calib, config)[0], reference, heldout)
-    assert errors["awq-gptq"] < 0.9 * errors["gptq"] < 0.9 * errors["rtn"], errors
-    # AWQ's clipping (RTN's best range) takes most of the gain back: GPTQ compensates better unclipped
-    assert errors["awq-gptq"] < errors["clipped"] < errors["gptq"], errors
+    assert errors["awq-gptq"] < 0.95 * errors["gptq"] < 0.95 * 0.7 * errors["rtn"], errors
+    # AWQ's clipping (RTN's best range) before GPTQ does not help: GPTQ compensates better unclipped
+    assert errors["awq-gptq"] < errors["clipped"], errors
 
 
 @pytest.mark.parametrize(("fmt", "sym", "act_bits"), [
@@ -102,13 +155,14 @@ def test_every_format_exports_and_reloads(tmp_path, fmt: str, sym: bool, act_bit
 
 @pytest.mark.slow(seconds=SLOW_SECONDS)
 def test_smollm2_beats_gptq_and_rtn(smollm2_setup, smollm2_recorder) -> None:
-    """Mean NLL of both texts, measured 2026-12-06 (benchmarks/accuracy/NEW_METHOD.md): fp 2.136, awq-gptq 2.323,
-    GPTQ act-order 2.347, RTN 2.545."""
+    """Held-out NLL (English, Korean) measured 2026-12-06 (benchmarks/accuracy/NEW_METHOD.md): fp 2.881, 1.390;
+    awq-gptq 3.120, 1.422; GPTQ act-order 3.155, 1.539; RTN 3.240, 1.850."""
     model, _, calib, _ = smollm2_setup
-    fp = mean(smollm2_recorder.nll(model, "fp32"))
-    nll = {"rtn": mean(smollm2_recorder.quantized(model, calib, QuantConfig(method="rtn", group_size=64))[0]),
-           "gptq": mean(smollm2_recorder.quantized(
-               model, calib, QuantConfig(method="gptq", group_size=64, options=GPTQOptions(act_order=True)))[0]),
-           "awq-gptq": mean(smollm2_recorder.quantized(model, calib, SMOLLM2_AWQ_GPTQ)[0])}
-    closed = (nll["gptq"] - nll["awq-gptq"]) / (nll["gptq"] - fp)  # the share of GPTQ's gap to fp it closes
-    assert closed > MIN_CLOSED and nll["awq-gptq"] < nll["gptq"] < nll["rtn"], (fp, nll)
+    fp = smollm2_recorder.nll(model, "fp32")
+    nll = {"rtn": smollm2_recorder.quantized(model, calib, QuantConfig(method="rtn", group_size=64))[0],
+           "gptq": smollm2_recorder.quantized(
+               model, calib, QuantConfig(method="gptq", group_size=64, options=GPTQOptions(act_order=True)))[0],
+           "awq-gptq": smollm2_recorder.quantized(model, calib, SMOLLM2_AWQ_GPTQ)[0]}
+    closed = {text: (nll["gptq"][text] - nll["awq-gptq"][text]) / (nll["gptq"][text] - fp[text]) for text in fp}
+    assert mean(closed) > MIN_CLOSED and min(closed.values()) > MIN_CLOSED_PER_TEXT, (closed, fp, nll)
+    assert mean(nll["awq-gptq"]) < mean(nll["gptq"]) < mean(nll["rtn"]), (fp, nll)

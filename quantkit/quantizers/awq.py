@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -56,6 +58,7 @@ CLIP_STEPS = 10
 CLIP_TOKENS = 512  # AutoAWQ n_sample_token: every (tokens // 512)-th token
 CLIP_ELEMENTS = 2**26  # bound on one output-channel batch's temporaries in the clip search
 UNCLIPPED = ("q_proj", "k_proj")
+TrialWeight = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (W, candidate s) -> quantized W s, / s
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,7 @@ def _linear_error(inputs: list[torch.Tensor], weights: list[torch.Tensor],
 
 
 def _mean_squared_errors(ctx: LayerContext, group: ScalingGroup, data: _GroupData, candidates: torch.Tensor,
-                         config: QuantConfig) -> torch.Tensor:
+                         trial_weight: TrialWeight) -> torch.Tensor:
     """The group's output MSE for each candidate scale vector, the layer's weights restored after."""
     linears = [ctx.module(n) for n in group.linears]
     weights = [lin.weight.detach().clone() for lin in linears]
@@ -189,7 +192,7 @@ def _mean_squared_errors(ctx: LayerContext, group: ScalingGroup, data: _GroupDat
     errors = []
     try:
         for scales in candidates:
-            trials = [scaled_fake_quant(w, scales, config) for w in weights]
+            trials = [trial_weight(w, scales) for w in weights]
             if group.inspect is None:
                 errors.append(_linear_error(data.inputs, weights, trials))
                 continue
@@ -227,8 +230,11 @@ class ScaleSearch:
 
 
 @torch.no_grad()
-def search_scales(ctx: LayerContext, group: ScalingGroup, config: QuantConfig) -> ScaleSearch:
-    """AutoAWQ's _search_best_scale for one scaling group of ctx's layer; the layer is left as it was."""
+def search_scales(ctx: LayerContext, group: ScalingGroup, config: QuantConfig,
+                  trial_weight: TrialWeight | None = None) -> ScaleSearch:
+    """AutoAWQ's _search_best_scale for one scaling group of ctx's layer; the layer is left as it was.
+
+    trial_weight(W, s): what a linear computes once s is folded and it is quantized; RTN's by default."""
     data = _capture(ctx, group)
     result = ScaleSearch(group, data.tokens)
     if data.tokens == 0:
@@ -242,12 +248,14 @@ def search_scales(ctx: LayerContext, group: ScalingGroup, config: QuantConfig) -
     options = config.options_as(AWQOptions)
     w_mean = weight_mean(weights, config.group_size) if options.duo_scaling else None
     candidates = grid_scales(x_mean, w_mean, options.grid)
+    if trial_weight is None:
+        trial_weight = partial(scaled_fake_quant, config=config)
     if options.duo_scaling:  # the grid does not contain s = 1: measure plain RTN on the side
         with_unit = torch.cat([torch.ones_like(x_mean)[None], candidates])
-        losses = _mean_squared_errors(ctx, group, data, with_unit, config)
+        losses = _mean_squared_errors(ctx, group, data, with_unit, trial_weight)
         result.rtn_loss, grid_losses = float(losses[0]), losses[1:]
     else:  # ratio 0 is s = 1
-        grid_losses = _mean_squared_errors(ctx, group, data, candidates, config)
+        grid_losses = _mean_squared_errors(ctx, group, data, candidates, trial_weight)
         result.rtn_loss = float(grid_losses[0])
     result.losses = grid_losses.tolist()
     finite = torch.isfinite(grid_losses)
@@ -381,6 +389,10 @@ class AWQ(Method):
     def linear_quantizer(self, linear: nn.Linear) -> LinearQuantizer:
         return RTNQuantizer(linear, self.config)
 
+    def trial_weight(self, ctx: LayerContext, group: ScalingGroup) -> TrialWeight | None:
+        """How the scale search quantizes a candidate (None: RTN, AWQ's own); subclasses quantize otherwise."""
+        return None
+
     def smooth_layer(self, ctx: LayerContext) -> dict:
         try:
             return self._smooth(ctx)
@@ -390,7 +402,7 @@ class AWQ(Method):
     def _smooth(self, ctx: LayerContext) -> dict:
         scales, skipped = {}, 0
         for group in active_scaling_groups(ctx.layer, ctx.adapter):
-            result = search_scales(ctx, group, self.config)
+            result = search_scales(ctx, group, self.config, self.trial_weight(ctx, group))
             if result.scales is None:
                 skipped += 1
                 log.warning("layer %d %s: AWQ scale left at 1 (%s)", ctx.index, group.prev, result.skipped)

@@ -1,18 +1,24 @@
 """AWQ's scales, then GPTQ: per decoder layer, AWQ's scale search (quantkit.quantizers.awq) picks a per-channel
 scale for each scaling group and folds it into the layer (the layer's function is unchanged), then every
 linear of the smoothed layer is quantized by GPTQ (quantkit.quantizers.gptq, act-order with static groups by
-default) from the inputs it receives after the fold.
+default) from the inputs it receives after the fold. On top of the two steps (measured in
+benchmarks/accuracy/NEW_METHOD.md):
 
-The two steps are AWQ's and GPTQ's own code, called, with their options side by side (AWQGPTQOptions).
-AWQ's scale search scores each candidate by the output error of RTN on the scaled weights, not of GPTQ: the
-scales that help rounding the most are taken as a proxy for the ones that help GPTQ (an exact score would run
-GPTQ per candidate and per group, 20x its cost).
+* scale_score="gptq" (an option; "rtn", AWQ's own score, is the default): each candidate scale is scored by
+  the block output error after *GPTQ* quantizes the scaled linears. Folding s divides the group's inputs by s,
+  so GPTQ runs on W diag(s) with diag(1/s) H diag(1/s), H captured once per group: one GPTQ per candidate and
+  searched linear. Ratio 0 is s = 1, so the chosen scales never score worse than plain GPTQ. Measured, it
+  helps SmolLM2 (English most) but costs Gemma-3 Korean; on SmolLM2 either score quantizes in ~2.2x GPTQ's time.
+* range_steps: GPTQ's static group grids (act-order fixes them up front) are each shrunk by the factor, of
+  1, 0.98, ..., that minimises sum_j H_jj (w_j - q_j)^2 over the group (HessianWeightedGrid): the MSE range
+  search of GPTQModel's `mse` option and llm-compressor's MSE observer, weighted by the diagonal of the
+  Hessian as the layer's output error weights each input channel. It goes through GPTQ's WeightGrid hook.
 
 AWQ's clipping (AWQOptions.clip) clamps each group's weights to the range whose *rounding* error is smallest,
-while GPTQ spreads each column's error over the columns still to come: the range RTN prefers is not the one
-GPTQ's compensation does, and clamping discards weight mass GPTQ could have compensated for. The measured runs
-(benchmarks/accuracy/NEW_METHOD.md) use --no-clip; the default stays AWQ's (on) because `quantkit quantize`
-shares one flag, and so one default, between every method that declares the field (cli._declared_options).
+while GPTQ spreads each column's error over the columns still to come: clamping discards weight mass GPTQ could
+have compensated for: awq-gptq's defaults are no clipping and 5 ratios (the measured setting). `quantkit
+quantize` shares one flag, and so one default, between the methods that declare a field (cli._declared_options
+takes the first method's, AWQ's 20 and on): on the command line pass --awq-grid 5 --no-clip.
 
 W4A16 and W4A8 (per-token int8 activations, symmetric weights): GPTQ's weights do not depend on act_bits.
 """
@@ -21,30 +27,116 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from quantkit.config import option
-from quantkit.quantizers.awq import AWQ, AWQOptions
-from quantkit.quantizers.base import LinearQuantizer, Method, register
+from quantkit.config import QuantConfig, option
+from quantkit.models.adapters import ScalingGroup
+from quantkit.qtensor import QuantizationError, QuantizedWeight, compute_qparams, fake_quantize
+from quantkit.quantizers.awq import AWQ, AWQOptions, TrialWeight
+from quantkit.quantizers.base import LinearQuantizer, register
 from quantkit.quantizers.context import LayerContext
-from quantkit.quantizers.gptq import GPTQOptions, GPTQQuantizer
+from quantkit.quantizers.gptq import GPTQOptions, GPTQQuantizer, gptq_quantize
+
+SHRINK_STEP = 0.02  # the group range search: max |w| x 1, 0.98, ..., down to 1 - (steps - 1) * SHRINK_STEP
+MAX_RANGE_STEPS = 40  # down to 0.22 of the range
 
 
 @dataclass(frozen=True)
 class AWQGPTQOptions(GPTQOptions, AWQOptions):
-    """GPTQ's options and AWQ's scale search's; act-order on by default, as the CLI has it for GPTQ."""
+    """GPTQ's options and AWQ's scale search's; act-order on by default, as the CLI has it for GPTQ. grid and clip
+    default to the measured setting (5 ratios, AWQ's clipping off)."""
 
     act_order: bool = option(True, "act-order with static groups (no inference cost)",
                              flag="--act-order/--no-act-order")
+    grid: int = option(5, "scale ratios searched (0, 1/grid, ...)", flag="--awq-grid", legacy="awq_grid", minimum=1)
+    clip: bool = option(False, "search clipping ranges", flag="--clip/--no-clip", legacy="awq_clip")
+    scale_score: str = option("rtn", "score AWQ's candidate scales by the output error after RTN or GPTQ",
+                              choices=("rtn", "gptq"))
+    range_steps: int = option(16, "group ranges searched by diag(H)-weighted error (1: min-max)",
+                              flag="--range-steps", minimum=1)
+
+    def check(self) -> None:
+        super().check()
+        if self.range_steps > MAX_RANGE_STEPS:
+            raise QuantizationError(f"range_steps must be at most {MAX_RANGE_STEPS}, got {self.range_steps}")
+
+
+class HessianWeightedGrid:
+    """GPTQ's static group grids, each group's range shrunk by the factor minimising sum_j H_jj (w_j - q_j)^2:
+    the error GPTQ starts from, weighted by how much each input channel's error costs at the layer's output."""
+
+    def __init__(self, hessian_diagonal: torch.Tensor, config: QuantConfig, steps: int) -> None:
+        self.importance, self.bits, self.sym, self.steps = hessian_diagonal, config.bits, config.sym, steps
+        self.lowest, self.highest = 0, 2**config.bits - 1
+
+    def qparams(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        importance = self.importance.to(w).view(1, *w.shape[1:])
+        wmin, wmax = w.amin(-1), w.amax(-1)
+        best_err = torch.full_like(wmin, torch.inf)
+        best_scale, best_zero = torch.empty_like(wmin), torch.empty_like(wmin)
+        for step in range(self.steps):  # step 0: the min-max grid
+            shrink = 1 - step * SHRINK_STEP
+            scale, zero = compute_qparams(shrink * wmin, shrink * wmax, self.bits, self.sym)
+            deq = fake_quantize(w, scale.unsqueeze(-1), zero.unsqueeze(-1), self.bits)
+            err = ((deq - w).square_() * importance).sum(-1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_scale = torch.where(better, scale, best_scale)
+            best_zero = torch.where(better, zero, best_zero)
+        return best_scale, best_zero
+
+
+def hessian_grid(hessian: torch.Tensor, config: QuantConfig) -> HessianWeightedGrid | None:
+    steps = config.options_as(AWQGPTQOptions).range_steps
+    return HessianWeightedGrid(hessian.diagonal().clone(), config, steps) if steps > 1 else None
+
+
+class AWQGPTQQuantizer(GPTQQuantizer):
+    """GPTQ whose static group grids come from HessianWeightedGrid (range_steps > 1)."""
+
+    def quantize(self) -> QuantizedWeight:
+        if self.H is not None:
+            self.grid = hessian_grid(self.H, self.config)
+        return super().quantize()
+
+
+def input_hessian(ctx: LayerContext, name: str, config: QuantConfig) -> torch.Tensor | None:
+    """GPTQ's Hessian of the named linear's inputs in the layer as it stands (None: no token reached it)."""
+    with ctx.capture_inputs([name]) as captured:
+        ctx.run_until([name])
+    accumulator = GPTQQuantizer(ctx.module(name), config)
+    for x in captured[name]:
+        accumulator.add_batch(x)
+    return accumulator.H
+
+
+def gptq_trial(hessian: torch.Tensor, config: QuantConfig) -> TrialWeight:
+    """What a linear with input Hessian H computes once s is folded and GPTQ quantizes it: folding divides the
+    inputs by s, so GPTQ sees W diag(s) and diag(1/s) H diag(1/s)."""
+
+    def trial(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(weight.dtype, torch.float32)
+        scaled = (weight.to(wide) * scales).to(weight.dtype)  # as fold_scales stores it
+        inverse = 1 / scales.to(hessian)
+        folded = hessian * inverse[:, None] * inverse[None, :]
+        result = gptq_quantize(scaled, folded, config, hessian_grid(folded, config))
+        return (result.dequantize(wide) / scales).to(weight.dtype)
+
+    return trial
 
 
 @register
-class AWQGPTQ(Method):
+class AWQGPTQ(AWQ):
     name = "awq-gptq"
+    needs_activations = True
     options_class = AWQGPTQOptions
 
     def linear_quantizer(self, linear: nn.Linear) -> LinearQuantizer:
-        return GPTQQuantizer(linear, self.config)
+        return AWQGPTQQuantizer(linear, self.config)
 
-    def smooth_layer(self, ctx: LayerContext) -> dict:
-        return AWQ(self.config).smooth_layer(ctx)
+    def trial_weight(self, ctx: LayerContext, group: ScalingGroup) -> TrialWeight | None:
+        if self.config.options_as(AWQGPTQOptions).scale_score == "rtn":
+            return None
+        hessian = input_hessian(ctx, group.input_of, self.config)
+        return None if hessian is None else gptq_trial(hessian, self.config)
