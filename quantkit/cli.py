@@ -191,7 +191,11 @@ _DECLARED = inspect.signature(quantize, eval_str=True)  # before quantize.__sign
 class _DeclaredOption:
     field: Field
     annotation: Any
-    methods: tuple[str, ...]  # the registered methods that take it
+    defaults: dict[str, Any]  # per registered method that takes it, its command-line default
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return tuple(self.defaults)
 
     @property
     def flag(self) -> str:
@@ -199,46 +203,70 @@ class _DeclaredOption:
 
     @property
     def default(self) -> Any:
-        cli_default = option_spec(self.field).cli_default
-        return self.field.default if cli_default is None else cli_default
+        """The flag's default: the methods' common one, or None (each method's own) where they differ."""
+        values = list(self.defaults.values())
+        return values[0] if all(v == values[0] for v in values) else None
+
+    def value_for(self, method: str, given: Any) -> Any:
+        return self.defaults[method] if given is None else given
+
+
+def _cli_default(f: Field) -> Any:
+    cli_default = option_spec(f).cli_default
+    return f.default if cli_default is None else cli_default
 
 
 def _declared_options() -> dict[str, _DeclaredOption]:
     """Every option field of the registered methods, once (a field several methods share, e.g. GPTQ's inside
-    QQQ's, names all of them)."""
+    QQQ's, names all of them, each with its own default: awq-gptq searches fewer AWQ ratios than AWQ)."""
     from quantkit.quantizers.base import registered_methods
 
     found: dict[str, tuple[Field, Any]] = {}
-    users: dict[str, list[str]] = {}
+    defaults: dict[str, dict[str, Any]] = {}
     for name, method_cls in sorted(registered_methods().items()):
         types = typing.get_type_hints(method_cls.options_class)
         for f in fields(method_cls.options_class):
             found.setdefault(f.name, (f, types[f.name]))
-            users.setdefault(f.name, []).append(name)
-    return {name: _DeclaredOption(f, annotation, tuple(users[name])) for name, (f, annotation) in found.items()}
+            defaults.setdefault(f.name, {})[name] = _cli_default(f)
+    return {name: _DeclaredOption(f, annotation, defaults[name]) for name, (f, annotation) in found.items()}
 
 
 def _method_option_parameters() -> list[inspect.Parameter]:
-    """One keyword parameter per declared option, its help prefixed with the methods that take it."""
+    """One keyword parameter per declared option, its help prefixed with the methods that take it (and their
+    defaults where they differ)."""
     parameters = []
     for name, declared in _declared_options().items():
         spec = option_spec(declared.field)
         annotation = declared.annotation if spec.choices is None else Literal[spec.choices]
-        info = typer.Option(declared.flag, help=f"{', '.join(declared.methods)}: {spec.help}")
+        text = f"{', '.join(declared.methods)}: {spec.help}"
+        if declared.default is None:
+            annotation = annotation | None
+            text += " (default: " + ", ".join(f"{m} {_shown(v)}" for m, v in declared.defaults.items()) + ")"
+        info = typer.Option(declared.flag, help=text)
         parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=declared.default,
                                             annotation=Annotated[annotation, info]))
     return parameters
 
 
-def check_method_options(method: str, given: dict[str, Any]) -> None:
-    """Every option's declared range, whichever method takes it (a bad value is a mistake either way); an option
-    set away from its default that the chosen method does not take is a warning, not silently dropped."""
+def _shown(value: Any) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def method_options_for(method: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The chosen method's options from the command line: each one given, else that method's default; every
+    option's declared range is checked whichever method takes it (a bad value is a mistake either way), and
+    one given that the method does not take is a warning, not silently dropped."""
+    options = {}
     for name, declared in _declared_options().items():
-        value = given.get(name, declared.default)
-        check_option_value(declared.field, value)
-        if method not in declared.methods and value != declared.default:
+        value = given.get(name)
+        if value is not None:
+            check_option_value(declared.field, value)
+        if method in declared.defaults:
+            options[name] = declared.value_for(method, value)
+        elif value is not None and value != declared.default:
             log.warning(f"{declared.flag.split('/')[0]} is an option of {', '.join(declared.methods)}: "
                         f"--method {method} ignores it")
+    return options
 
 
 def quantize_signature() -> inspect.Signature:
@@ -285,8 +313,7 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
         nsamples = default_nsamples(work_device)
     if output is None:
         output = default_output(model, method, bits, act_bits, group_size)
-    check_method_options(method, method_options)
-    options = method_class(method).options_class.from_dict(method_options)  # the chosen method's, by field name
+    options = method_class(method).options_class.from_dict(method_options_for(method, method_options))
 
     def scheme(group: int) -> QuantConfig:
         config = QuantConfig(method=method, bits=bits, group_size=group, sym=not asym, act_bits=act_bits,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import quantkit.cli as cli
 from quantkit.cli import app, default_nsamples
 from quantkit.config import METHOD_OPTIONS, MethodOptions, option, option_spec
 from quantkit.formats import FORMATS
-from quantkit.quantizers.base import METHODS, Method, registered_methods
+from quantkit.quantizers.base import METHODS, Method, method_class, registered_methods
 
 runner = CliRunner()
 
@@ -239,6 +241,21 @@ def test_invalid_method_options_fail_in_one_line(tiny_llama, tmp_path) -> None:
     assert result.exit_code == 2 and "golden" in result.output
     result = _quantize(str(tiny_llama), "--method", "golden")
     assert result.exit_code == 2 and "golden" in result.output
+
+
+def test_a_shared_flag_left_out_takes_each_methods_own_default(caplog) -> None:
+    """--awq-grid and --clip belong to awq and awq-gptq with different defaults: left out, each method gets its own
+    (the Python API's); given, the value; an option the method does not take is dropped with a warning."""
+    for method in ("awq", "awq-gptq", "gptq"):
+        options = method_class(method).options_class.from_dict(cli.method_options_for(method, {}))
+        expected = method_class(method).options_class()
+        assert options == (dataclasses.replace(expected, act_order=True) if method == "gptq" else expected), method
+    assert cli.method_options_for("awq-gptq", {"grid": 9, "clip": None})["grid"] == 9
+    assert cli.method_options_for("awq-gptq", {"clip": True})["clip"] is True
+    with caplog.at_level(logging.WARNING, logger="quantkit"):
+        assert "grid" not in cli.method_options_for("gptq", {"grid": 9})
+    assert "--awq-grid is an option of awq, awq-gptq: --method gptq ignores it" in caplog.text
+    assert "(default: awq 20, awq-gptq 5)" in _help() and "(default: awq on, awq-gptq off)" in _help()
 
 
 def test_moe_all_tokens_reaches_the_calibration(tmp_path, tokenizer) -> None:

@@ -16,9 +16,8 @@ benchmarks/accuracy/NEW_METHOD.md):
 
 AWQ's clipping (AWQOptions.clip) clamps each group's weights to the range whose *rounding* error is smallest,
 while GPTQ spreads each column's error over the columns still to come: clamping discards weight mass GPTQ could
-have compensated for: awq-gptq's defaults are no clipping and 5 ratios (the measured setting). `quantkit
-quantize` shares one flag, and so one default, between the methods that declare a field (cli._declared_options
-takes the first method's, AWQ's 20 and on): on the command line pass --awq-grid 5 --no-clip.
+have compensated for: awq-gptq's defaults are no clipping and 5 ratios (the measured setting), on the command
+line too (a flag that methods share takes each method's own default).
 
 W4A16 and W4A8 (per-token int8 activations, symmetric weights): GPTQ's weights do not depend on act_bits.
 """
