@@ -244,7 +244,8 @@ def test_cholesky_failure_everywhere_falls_back_to_rtn(caplog):
 
 
 def test_non_finite_result_falls_back_to_rtn(caplog, monkeypatch):
-    def overflowing_factor(hessian, damp_percent, label):  # (w - q) / 1e-30 squares to inf in fp32
+    def overflowing_factor(working_hessian, damp_percent, label):  # (w - q) / 1e-30 squares to inf in fp32
+        hessian = working_hessian()
         return torch.eye(hessian.shape[0], dtype=hessian.dtype) * 1e-30, damp_percent
 
     monkeypatch.setattr(gptq, "inverse_hessian_factor", overflowing_factor)

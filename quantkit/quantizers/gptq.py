@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -74,26 +74,26 @@ class WeightGrid(Protocol):
 
 
 def inverse_hessian_factor(
-    hessian: torch.Tensor, damp_percent: float, label: str
+    working_hessian: Callable[[], torch.Tensor], damp_percent: float, label: str
 ) -> tuple[torch.Tensor | None, float]:
     """Upper Cholesky factor U of (H + damp * mean(diag H) * I)^-1 (so U^T U is that inverse).
 
-    Retries with x10 damping while either factorisation fails; returns (None, last damping tried)
-    when none succeeds. `hessian`, the caller's working copy, is damped in place: no [in, in] copy.
+    `working_hessian()` gives a fresh copy of H for each try, which is damped in place and then holds the
+    inverse: two [in, in] buffers alive at a time, not four. Retries with x10 damping while either
+    factorisation fails; returns (None, last damping tried) when none succeeds.
     """
-    diagonal = hessian.diagonal().clone()
-    mean_diag = diagonal.mean()
     for attempt in range(MAX_DAMP_ATTEMPTS):
         damp = damp_percent * DAMP_GROWTH**attempt
-        hessian.diagonal().copy_(diagonal + damp * mean_diag)
+        hessian = working_hessian()
+        hessian.diagonal().add_(damp * hessian.diagonal().mean())
         lower, info = torch.linalg.cholesky_ex(hessian)
         if info.item() == 0:
-            inverse = torch.cholesky_inverse(lower)
+            torch.cholesky_inverse(lower, out=hessian)
             del lower
-            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
-            del inverse
+            upper, info = torch.linalg.cholesky_ex(hessian, upper=True)
             if info.item() == 0:
                 return upper, damp
+        del hessian
         retry = attempt + 1 < MAX_DAMP_ATTEMPTS
         log.warning(
             "GPTQ: the Hessian of %s is not positive definite with damp_percent=%g%s",
@@ -259,11 +259,10 @@ def gptq_quantize(
     options = config.options_as(GPTQOptions)
     dtype = torch.promote_types(weight.dtype, torch.float32)
     W = weight.detach().to(dtype, copy=True)
-    H = hessian.to(W.device, dtype, copy=True)
     rows, cols = W.shape
     group = check_group_size(cols, config.group_size)
-    dead = H.diagonal() == 0
-    H.diagonal()[dead] = 1
+    diagonal = hessian.diagonal().to(W.device, dtype)
+    dead = diagonal == 0
     W[:, dead] = 0
 
     # Per-channel parameters are static in the reference as well (found once, before any update).
@@ -276,12 +275,19 @@ def gptq_quantize(
         scales, zeros = W.new_empty(rows, cols // group), W.new_empty(rows, cols // group)
     order = torch.arange(cols, device=W.device)
     if options.act_order:
-        order = torch.argsort(H.diagonal(), descending=True, stable=True)
-        W, H = W[:, order], H[order]
-        H = H[:, order]  # a statement of its own: the unpermuted H is freed before the second copy
+        order = torch.argsort(diagonal.masked_fill(dead, 1), descending=True, stable=True)
+        W = W[:, order]
 
-    U, damp_percent = inverse_hessian_factor(H, options.damp_percent, layer_label(weight))
-    del H
+    def working_hessian() -> torch.Tensor:
+        """H in the work dtype, dead inputs' diagonal set to 1, act-order applied."""
+        H = hessian.to(W.device, dtype, copy=True)
+        H.diagonal()[dead] = 1
+        if options.act_order:
+            H = H[order]
+            H = H[:, order]  # a statement of its own: the unpermuted H is freed before the second copy
+        return H
+
+    U, damp_percent = inverse_hessian_factor(working_hessian, options.damp_percent, layer_label(weight))
     if U is None:
         return _rtn_fallback(
             weight, hessian, config, "Cholesky failed at every damping", grid, damp_percent=damp_percent
