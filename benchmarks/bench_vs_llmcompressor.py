@@ -11,6 +11,7 @@ One command per step; each MODEL is `smollm2` (the embedded SmolLM2-135M GGUF, W
     $L benchmarks/bench_vs_llmcompressor.py llmc MODEL autoround --iters 20
     $Q benchmarks/bench_vs_llmcompressor.py score MODEL fp fp-hf rtn gptq awq qqq awq-gptq llmc-gptq llmc-awq
     $Q benchmarks/bench_vs_llmcompressor.py score MODEL fp gptq llmc-gptq --no-ppl --tasks arc_easy,piqa
+    $Q benchmarks/bench_vs_llmcompressor.py tables MODEL           # the page's Markdown tables from the JSON
 
 Work files (calibration ids, the HF copy, llm-compressor's exports) go under --work (never the repo); each
 row's measurements are merged into benchmarks/accuracy/vs_llmcompressor_MODEL.json with the command that
@@ -112,8 +113,9 @@ def record(args: argparse.Namespace, row: str, entry: dict) -> None:
     """Merge one row's measurements into the model's JSON, each with the command that produced it."""
     path = RESULTS / f"vs_llmcompressor_{args.model}.json"
     results = json.loads(path.read_text()) if path.exists() else {"rows": {}}
+    samples, seqlen = load_calibration(args)["input_ids"].shape
     results["protocol"] = {"group_size": MODELS[args.model].group_size, "windows": args.windows,
-                           "calibration": f"{args.nsamples} x {args.seqlen} tokens, seed 0"}
+                           "calibration": f"{samples} x {seqlen} tokens, seed 0"}
     command = "python benchmarks/bench_vs_llmcompressor.py " + shlex.join(sys.argv[1:])
     merged = results["rows"].setdefault(row, {})
     merged.update(entry, commit=commit(), date=date.today().isoformat())
@@ -200,9 +202,11 @@ def run_llmc(args: argparse.Namespace) -> None:
     """llm-compressor's oneshot on the HF copy with the saved ids; its compressed-tensors export per tool."""
     from datasets import Dataset
     from llmcompressor import oneshot
+    from llmcompressor.pipelines.cache import IntermediatesCache
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(1)
+    if not torch.cuda.is_available():  # AWQ pins its cache for faster copies to a GPU, which fails without one
+        IntermediatesCache.pin_memory = lambda *_args, **_kwargs: None
     calib = load_calibration(args)
     dataset = Dataset.from_dict({name: ids.tolist() for name, ids in calib.items()})
     hf = work_dir(args) / "hf"
@@ -220,15 +224,39 @@ def run_llmc(args: argparse.Namespace) -> None:
         print(f"{tool}: exported to {out}", flush=True)
 
 
+ROW_LABELS = {"fp": "fp32 (the GGUF, dequantized)", "fp-hf": "fp32 (its safetensors copy, llm-compressor's input)",
+              "llmc-gptq": "llm-compressor GPTQ", "llmc-awq": "llm-compressor AWQ",
+              "llmc-autoround": "AutoRound (via llm-compressor)"}
+
+
+def tables(args: argparse.Namespace) -> None:
+    """The results page's tables, from the model's JSON: held-out perplexity (NLL) and task accuracy."""
+    rows = json.loads((RESULTS / f"vs_llmcompressor_{args.model}.json").read_text())["rows"]
+    label = {name: ROW_LABELS.get(name, f"quantkit {name}") for name in rows}
+    scored = [name for name in rows if "heldout" in rows[name]]
+    print("| row | scheme | English ppl (NLL) | Korean ppl (NLL) | quantize s |\n| --- | --- | --- | --- | --- |")
+    for name in scored:
+        cells = [f"{v['ppl']:.3f} ({v['nll']:.4f})" for v in rows[name]["heldout"].values()]
+        print(f"| {label[name]} | {rows[name].get('scheme', '')} | {' | '.join(cells)} | "
+              f"{rows[name].get('quantize_s', '')} |")
+    with_tasks = [name for name in rows if "tasks" in rows[name]]
+    if with_tasks:
+        tasks = list(rows[with_tasks[0]]["tasks"])
+        print("\n| row | " + " | ".join(tasks) + " |\n|---" * (len(tasks) + 1) + "|")
+        for name in with_tasks:
+            cells = [f"{100 * t['value']:.1f} ± {100 * t['stderr']:.1f}" for t in rows[name]["tasks"].values()]
+            print(f"| {label[name]} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", choices=["prepare", "llmc", "score"])
+    parser.add_argument("step", choices=["prepare", "llmc", "score", "tables"])
     parser.add_argument("model", choices=list(MODELS))
     parser.add_argument("rows", nargs="*", help="llmc: gptq, awq, autoround; score: fp, fp-hf, "
                         + ", ".join(QUANTKIT_ROWS) + " (quantkit's), llmc-TOOL (llm-compressor's exports)")
     parser.add_argument("--work", default="/work/acc3", help="calibration ids, HF copy, exports (not the repo)")
-    parser.add_argument("--nsamples", type=int, default=32)
-    parser.add_argument("--seqlen", type=int, default=512)
+    parser.add_argument("--nsamples", type=int, default=16, help="calibration sequences (prepare)")
+    parser.add_argument("--seqlen", type=int, default=256, help="calibration sequence length (prepare)")
     parser.add_argument("--windows", type=int, default=8, help="512-token windows per held-out text")
     parser.add_argument("--ppl", action=argparse.BooleanOptionalAction, default=True, help="score held-out NLL")
     parser.add_argument("--tasks", default=None, help="comma-separated tasks, zero-shot (e.g. arc_easy,piqa)")
@@ -237,7 +265,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    steps = {"prepare": prepare, "llmc": run_llmc, "score": score}
+    steps = {"prepare": prepare, "llmc": run_llmc, "score": score, "tables": tables}
     steps[args.step](args)
 
 
