@@ -153,7 +153,16 @@ def load_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
     if name == "fp-hf":
         return load_model(work_dir(args) / "hf")[0], {}
     folder = work_dir(args) / name
-    return load_quantized(folder, dtype=torch.float32)[0], {"quantize_s": int((folder / "quantize_s.txt").read_text())}
+    return load_quantized(folder, dtype=torch.float32)[0], {"scheme": export_scheme(folder),
+                                                           "quantize_s": int((folder / "quantize_s.txt").read_text())}
+
+
+def export_scheme(folder: Path) -> str:
+    """The weight scheme a compressed-tensors export declares, e.g. 'W4A16 g64 sym actorder static'."""
+    groups = json.loads((folder / "config.json").read_text())["quantization_config"]["config_groups"]
+    weights = next(iter(groups.values()))["weights"]
+    return (f"W{weights['num_bits']}A16 g{weights['group_size']} {'sym' if weights['symmetric'] else 'asym'}"
+            f" actorder {weights['actorder']}")
 
 
 def task_scores(model: nn.Module, tokenizer, args: argparse.Namespace) -> dict[str, dict]:
