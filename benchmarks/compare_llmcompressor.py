@@ -1,9 +1,13 @@
 """quantkit next to llm-compressor on one model: per-layer output error and held-out perplexity.
 
-Runs in the llm-compressor virtualenv (scripts/setup_llmcompressor_venv.sh) with quantkit on the path:
+Runs in an llm-compressor virtualenv (scripts/setup_llmcompressor_venv.sh) into which quantkit is installed
+(`VENV/bin/pip install --no-deps -e .`: quantkit.kernels comes from kernels/ through the install):
 
-    PYTHONSAFEPATH=1 PYTHONPATH=. /work/venv-llmc/bin/python benchmarks/compare_llmcompressor.py \
+    PYTHONSAFEPATH=1 VENV/bin/python benchmarks/compare_llmcompressor.py \
         --model models/gemma-3-270m-q4_k_m.gguf --out /tmp/gemma.json
+
+llm-compressor's own pipeline end to end, against every quantkit method: bench_vs_llmcompressor.py; both
+pages are benchmarks/accuracy/VS_LLMCOMPRESSOR.md.
 
 Both tools quantize inside quantkit's layer-sequential engine, so they see the same calibration tokens, the
 same layer inputs and the same Hessian; only the numerics differ. llm-compressor's side calls its own code:

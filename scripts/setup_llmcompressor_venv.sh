@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Creates a separate virtualenv with llm-compressor (and the auto-round it pulls in), used only by
-# benchmarks/compare_llmcompressor.py, which puts quantkit on its path with PYTHONPATH. Separate because
-# llm-compressor pins transformers (<=5.17) and compressed-tensors to versions the main env must not be
-# forced onto. Not part of the test set-up.
+# Creates a separate virtualenv with llm-compressor (and the auto-round it pulls in), for
+# benchmarks/bench_vs_llmcompressor.py's `llmc` step (llm-compressor's own oneshot; it needs no quantkit) and
+# benchmarks/compare_llmcompressor.py (which imports quantkit too: `VENV/bin/pip install --no-deps -e .` into a
+# venv of your own, since quantkit.kernels is mapped from kernels/ by the install, not by PYTHONPATH).
+# Separate because llm-compressor pins transformers (<=5.17) and compressed-tensors to versions the main env
+# must not be forced onto. Not part of the test set-up.
 #
 # Usage: scripts/setup_llmcompressor_venv.sh [VENV_DIR]    (default: /work/venv-llmc)
 # Idempotent: does nothing when VENV_DIR already imports the pinned llm-compressor.
