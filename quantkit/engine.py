@@ -64,10 +64,15 @@ class _LayerRecorder(nn.Module):
 class QuantReport:
     config: dict
     layers: list[dict] = field(default_factory=list)
-    fallbacks: list[str] = field(default_factory=list)
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, summed over layers
     calibration_tokens: int = 0
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """One line per linear that fell back (to RTN, or to stronger dampening), from the layer entries."""
+        return [f"layer {e['layer']} {name}: {info['fallback']}" for e in self.layers
+                for name, info in e["linears"].items() if info.get("fallback")]
 
     def to_dict(self) -> dict:
         return {"config": self.config, "layers": self.layers, "fallbacks": self.fallbacks,
@@ -280,8 +285,6 @@ def quantize_model(
                 raise QuantizationError(f"layer {i} produced non-finite outputs after quantization")
             _swap_in_quantlinears(layer, results, config.act_bits, device)
             entry["linears"] = {name: qw.info for name, qw in results.items()}
-            report.fallbacks += [f"layer {i} {name}: {info['fallback']}"
-                                 for name, info in entry["linears"].items() if info.get("fallback")]
             check_experts_quantized(layer, adapter, i)
             entry["seconds"] = time.perf_counter() - t0
             report.layers.append(entry)

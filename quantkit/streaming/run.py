@@ -189,8 +189,6 @@ def quantize_streaming(
             raise
         work.flush()
         report.layers = work.entries()
-        report.fallbacks = [f"layer {e['layer']} {name}: {info['fallback']}" for e in report.layers
-                            for name, info in e["linears"].items() if info.get("fallback")]
         _write_export(model, adapter, ckpt, tokenizer, config, fmt_name, torch_dtype, report, work, output)
     return output, report
 
