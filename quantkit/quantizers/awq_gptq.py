@@ -31,11 +31,12 @@ from torch import nn
 
 from quantkit.config import QuantConfig, option
 from quantkit.models.adapters import ScalingGroup
-from quantkit.qtensor import QuantizationError, QuantizedWeight, compute_qparams, fake_quantize
+from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.awq import AWQ, AWQOptions, TrialWeight
 from quantkit.quantizers.base import LinearQuantizer, register
 from quantkit.quantizers.context import LayerContext
 from quantkit.quantizers.gptq import GPTQOptions, GPTQQuantizer, gptq_quantize
+from quantkit.quantizers.rtn import shrink_search
 
 SHRINK_STEP = 0.02  # the group range search: max |w| x 1, 0.98, ..., down to 1 - (steps - 1) * SHRINK_STEP
 MAX_RANGE_STEPS = 40  # down to 0.22 of the range
@@ -71,19 +72,8 @@ class HessianWeightedGrid:
 
     def qparams(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         importance = self.importance.to(w).view(1, *w.shape[1:])
-        wmin, wmax = w.amin(-1), w.amax(-1)
-        best_err = torch.full_like(wmin, torch.inf)
-        best_scale, best_zero = torch.empty_like(wmin), torch.empty_like(wmin)
-        for step in range(self.steps):  # step 0: the min-max grid
-            shrink = 1 - step * SHRINK_STEP
-            scale, zero = compute_qparams(shrink * wmin, shrink * wmax, self.bits, self.sym)
-            deq = fake_quantize(w, scale.unsqueeze(-1), zero.unsqueeze(-1), self.bits)
-            err = ((deq - w).square_() * importance).sum(-1)
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_scale = torch.where(better, scale, best_scale)
-            best_zero = torch.where(better, zero, best_zero)
-        return best_scale, best_zero
+        shrinks = (1 - step * SHRINK_STEP for step in range(self.steps))  # 1 first: the min-max grid
+        return shrink_search(w, self.bits, self.sym, shrinks, lambda delta: (delta.square_() * importance).sum(-1))
 
 
 def hessian_grid(hessian: torch.Tensor, config: QuantConfig) -> HessianWeightedGrid | None:

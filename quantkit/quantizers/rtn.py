@@ -6,6 +6,7 @@ back to RTN when its Hessian cannot be inverted.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -50,21 +51,27 @@ def check_finite_weights(weight: torch.Tensor) -> None:
         )
 
 
-def mse_qparams(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero per row of w's last dimension minimising sum |w - fake_quantize(w)|^MSE_NORM."""
+def shrink_search(w: torch.Tensor, bits: int, sym: bool, shrinks: Iterable[float],
+                  error: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero per row of w's last dimension: its min-max range shrunk by whichever factor of `shrinks`
+    gives the smallest error(fake_quantize(w) - w), a per-row sum (the first factor wins ties)."""
     wmin, wmax = w.amin(dim=-1), w.amax(dim=-1)
     best_err = torch.full_like(wmin, float("inf"))
     best_scale, best_zero = torch.empty_like(wmin), torch.empty_like(wmin)
-    for step in range(int(MSE_MAX_SHRINK * MSE_GRID)):  # step 0 is the plain min-max grid
-        shrink = 1 - step / MSE_GRID
+    for shrink in shrinks:
         scale, zero = compute_qparams(shrink * wmin, shrink * wmax, bits, sym)
-        deq = fake_quantize(w, scale.unsqueeze(-1), zero.unsqueeze(-1), bits)
-        err = (deq - w).abs_().pow_(MSE_NORM).sum(dim=-1)
+        err = error(fake_quantize(w, scale.unsqueeze(-1), zero.unsqueeze(-1), bits) - w)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)
         best_zero = torch.where(better, zero, best_zero)
     return best_scale, best_zero
+
+
+def mse_qparams(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero per row of w's last dimension minimising sum |w - fake_quantize(w)|^MSE_NORM."""
+    shrinks = (1 - step / MSE_GRID for step in range(int(MSE_MAX_SHRINK * MSE_GRID)))  # 1 first: the min-max grid
+    return shrink_search(w, bits, sym, shrinks, lambda delta: delta.abs_().pow_(MSE_NORM).sum(dim=-1))
 
 
 def find_qparams(w: torch.Tensor, bits: int, sym: bool, mse: bool) -> tuple[torch.Tensor, torch.Tensor]:
