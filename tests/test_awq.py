@@ -15,7 +15,14 @@ from quantkit.config import QuantConfig
 from quantkit.engine import capture_layer_inputs, quantize_model
 from quantkit.export import export_checkpoint
 from quantkit.models import get_adapter
-from quantkit.quantizers.awq import CLIP_GRID, CLIP_STEPS, AWQOptions, search_clip, search_scales
+from quantkit.quantizers.awq import (
+    CLIP_GRID,
+    CLIP_STEPS,
+    AWQOptions,
+    scored_batch_count,
+    search_clip,
+    search_scales,
+)
 from quantkit.quantizers.base import get_method
 from quantkit.quantizers.context import LayerContext
 from quantkit.quantizers.rtn import rtn_quantize
@@ -132,6 +139,29 @@ def test_chosen_scale_minimises_the_loss_over_the_grid(kind: str, duo: bool) -> 
         best = min(range(len(losses)), key=losses.__getitem__)
         assert result.ratio == best / config.options.grid
         torch.testing.assert_close(result.scales, candidates[best], rtol=1e-12, atol=0)
+
+
+def test_scored_batches_hold_at_most_the_search_tokens() -> None:
+    masks = [torch.ones(2, 5, dtype=torch.bool), torch.ones(2, 5, dtype=torch.bool), torch.ones(1, 5, dtype=torch.bool)]
+    masks[1][1, 3:] = False  # 8 real tokens
+    assert [scored_batch_count(masks, n) for n in (0, 1, 10, 17, 18, 22, 23, 100)] == [3, 1, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("kind", ["llama", "opt"])
+def test_scale_search_scores_only_the_first_batches(kind: str) -> None:
+    """The calibration batches repeated twice and the search limited to the first copy: x̄ is the same, so the
+    losses and the scales must be those of the search over one copy, every token scored."""
+    ctx = layer_context(outlier_model(kind, torch.float64), random_calibration(pad_from={1: 9}), index=1)
+    tokens = sum(int(m.sum()) for m in ctx.token_masks)
+    twice = LayerContext(ctx.index, ctx.layer, ctx.adapter, ctx.inputs * 2, ctx.kwargs * 2, ctx.token_masks * 2, CPU)
+    every = QuantConfig(method="awq", group_size=32, options=AWQOptions(search_tokens=0))
+    first = replace(every, options=AWQOptions(search_tokens=tokens))
+    for group in active_scaling_groups(ctx.layer, ctx.adapter):
+        reference, limited = search_scales(ctx, group, every), search_scales(twice, group, first)
+        assert (limited.tokens, limited.scored_tokens) == (2 * tokens, tokens)
+        assert limited.losses == pytest.approx(reference.losses, rel=1e-12), group.prev
+        assert limited.ratio == reference.ratio
+        torch.testing.assert_close(limited.scales, reference.scales, rtol=1e-12, atol=0)
 
 
 def test_clip_search_minimises_each_groups_output_error() -> None:

@@ -58,6 +58,9 @@ CLIP_STEPS = 10
 CLIP_TOKENS = 512  # AutoAWQ n_sample_token: every (tokens // 512)-th token
 CLIP_ELEMENTS = 2**26  # bound on one output-channel batch's temporaries in the clip search
 UNCLIPPED = ("q_proj", "k_proj")
+# AutoAWQ scores scales on 128 x 512 tokens; the mean |x| still comes from every token. Each candidate reruns the
+# inspected block on the scored batches, so a larger calibration set would only multiply the search time.
+SEARCH_TOKENS = 128 * 512
 TrialWeight = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (W, candidate s) -> quantized W s, / s
 
 
@@ -70,6 +73,8 @@ class AWQOptions(RTNOptions):
     duo_scaling: bool = option(False, "s = mean|x|^r / mean|w|^(1-r)", flag="--duo-scaling",
                                legacy="awq_duo_scaling")
     clip: bool = option(True, "search clipping ranges", flag="--clip/--no-clip", legacy="awq_clip")
+    search_tokens: int = option(SEARCH_TOKENS, "calibration tokens each scale candidate is scored on (whole "
+                                "batches, at least one; 0: all)", flag="--awq-search-tokens", minimum=0)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -117,33 +122,59 @@ def _first(output):
 
 @dataclass
 class _GroupData:
-    """One capture pass for a scaling group: x̄'s sum, and what its loss needs."""
+    """One capture pass for a scaling group: x̄'s sum over every batch, and what its loss needs of the first
+    `scored_batches`."""
 
+    scored_batches: int
     abs_sum: torch.Tensor | None = None
     tokens: int = 0
+    scored_tokens: int = 0
     inputs: list[torch.Tensor] = field(default_factory=list)  # no inspected block: the linears' input
     calls: list[tuple[tuple, dict]] = field(default_factory=list)  # the inspected block's call per batch
     outputs: list[torch.Tensor] = field(default_factory=list)  # its unquantized output, real tokens
 
 
-def _capture(ctx: LayerContext, group: ScalingGroup) -> _GroupData:
-    data = _GroupData()
+def scored_batch_count(token_masks: list[torch.Tensor], search_tokens: int) -> int:
+    """How many leading batches hold at most search_tokens real tokens (at least one; 0 tokens: all)."""
+    if search_tokens == 0:
+        return len(token_masks)
+    total = 0
+    for count, mask in enumerate(token_masks):
+        total += int(mask.sum())
+        if total > search_tokens:
+            return max(count, 1)
+    return len(token_masks)
+
+
+def _capture(ctx: LayerContext, group: ScalingGroup, search_tokens: int) -> _GroupData:
+    data = _GroupData(scored_batches=scored_batch_count(ctx.token_masks, search_tokens))
+
+    def scored() -> bool:
+        return ctx.current_batch < data.scored_batches
 
     def on_linear(_m, args, _out) -> None:
         x = ctx.real_tokens(args[0])
         column_sum = x.abs().sum(0, dtype=_wide(x.dtype))
         data.abs_sum = column_sum if data.abs_sum is None else data.abs_sum + column_sum
         data.tokens += x.shape[0]
-        if group.inspect is None:
-            data.inputs.append(x)
+        if scored():
+            data.scored_tokens += x.shape[0]
+            if group.inspect is None:
+                data.inputs.append(x)
+
+    def keep_call(_m, args, kwargs) -> None:
+        if scored():
+            data.calls.append((args, kwargs))
+
+    def keep_output(_m, _args, out) -> None:
+        if scored():
+            data.outputs.append(ctx.real_tokens(_first(out)))
 
     handles = [ctx.module(group.input_of).register_forward_hook(on_linear)]  # the group shares its input
     if group.inspect is not None:
         block = ctx.module(group.inspect)
-        handles.append(block.register_forward_pre_hook(
-            lambda _m, args, kwargs: data.calls.append((args, kwargs)), with_kwargs=True))
-        handles.append(block.register_forward_hook(
-            lambda _m, _args, out: data.outputs.append(ctx.real_tokens(_first(out)))))
+        handles.append(block.register_forward_pre_hook(keep_call, with_kwargs=True))
+        handles.append(block.register_forward_hook(keep_output))
     try:
         ctx.run_until([group.inspect or group.linears[0]])
     finally:
@@ -185,10 +216,10 @@ def _mean_squared_errors(ctx: LayerContext, group: ScalingGroup, data: _GroupDat
     linears = [ctx.module(n) for n in group.linears]
     weights = [lin.weight.detach().clone() for lin in linears]
     if group.inspect is None:
-        count = data.tokens * sum(w.shape[0] for w in weights)
+        count = data.scored_tokens * sum(w.shape[0] for w in weights)
     else:
-        block, index = ctx.module(group.inspect), _real_index(ctx)
-        count = data.tokens * data.outputs[0].shape[-1]
+        block, index = ctx.module(group.inspect), _real_index(ctx)[:data.scored_batches]
+        count = data.scored_tokens * data.outputs[0].shape[-1]
     errors = []
     try:
         for scales in candidates:
@@ -211,6 +242,7 @@ class ScaleSearch:
 
     group: ScalingGroup
     tokens: int
+    scored_tokens: int
     scales: torch.Tensor | None = None
     ratio: float | None = None
     losses: list[float] = field(default_factory=list)  # per grid ratio; NaN where non-finite
@@ -218,7 +250,7 @@ class ScaleSearch:
     skipped: str | None = None
 
     def report(self) -> dict:
-        entry: dict = {"linears": list(self.group.linears), "tokens": self.tokens}
+        entry: dict = {"linears": list(self.group.linears), "tokens": self.tokens, "scored_tokens": self.scored_tokens}
         if self.skipped is not None:
             entry["skipped"] = self.skipped
         if self.losses:
@@ -235,8 +267,9 @@ def search_scales(ctx: LayerContext, group: ScalingGroup, config: QuantConfig,
     """AutoAWQ's _search_best_scale for one scaling group of ctx's layer; the layer is left as it was.
 
     trial_weight(W, s): what a linear computes once s is folded and it is quantized; RTN's by default."""
-    data = _capture(ctx, group)
-    result = ScaleSearch(group, data.tokens)
+    options = config.options_as(AWQOptions)
+    data = _capture(ctx, group, options.search_tokens)
+    result = ScaleSearch(group, data.tokens, data.scored_tokens)
     if data.tokens == 0:
         result.skipped = "no calibration tokens"
         return result
@@ -245,7 +278,6 @@ def search_scales(ctx: LayerContext, group: ScalingGroup, config: QuantConfig,
         result.skipped = "non-finite activations"
         return result
     weights = [ctx.module(n).weight for n in group.linears]
-    options = config.options_as(AWQOptions)
     w_mean = weight_mean(weights, config.group_size) if options.duo_scaling else None
     candidates = grid_scales(x_mean, w_mean, options.grid)
     if trial_weight is None:

@@ -29,6 +29,7 @@ class LayerContext:
     token_masks: list[torch.Tensor]  # bool [B, T] per batch, False on padding
     device: torch.device
     current_mask: torch.Tensor | None = None  # the batch being run, for hooks that drop padding
+    current_batch: int | None = None  # its index in inputs
 
     def module(self, name: str) -> nn.Module:
         return self.layer.get_submodule(name)
@@ -38,11 +39,11 @@ class LayerContext:
         """The layer's outputs per batch, appended to `outputs` if given (the
         engine passes its hidden-state store: anything with append)."""
         outputs = [] if outputs is None else outputs
-        for x, kwargs, mask in zip(self.inputs, self.kwargs, self.token_masks, strict=True):
-            self.current_mask = mask
+        for batch, (x, kwargs, mask) in enumerate(zip(self.inputs, self.kwargs, self.token_masks, strict=True)):
+            self.current_mask, self.current_batch = mask, batch
             out = self.layer(x, **kwargs)
             outputs.append(out[0] if isinstance(out, tuple) else out)
-        self.current_mask = None
+        self.current_mask = self.current_batch = None
         return outputs
 
     @torch.no_grad()
@@ -58,15 +59,15 @@ class LayerContext:
 
         handles = [self.module(n).register_forward_hook(lambda m, a, o, n=n: done(m, a, o, n)) for n in names]
         try:
-            for x, kwargs, mask in zip(self.inputs, self.kwargs, self.token_masks, strict=True):
-                self.current_mask = mask
+            for batch, (x, kwargs, mask) in enumerate(zip(self.inputs, self.kwargs, self.token_masks, strict=True)):
+                self.current_mask, self.current_batch = mask, batch
                 pending.update(names)
                 try:
                     self.layer(x, **kwargs)
                 except StopForward:
                     pass
         finally:
-            self.current_mask = None
+            self.current_mask = self.current_batch = None
             for h in handles:
                 h.remove()
 
