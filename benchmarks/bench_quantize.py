@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import time
@@ -112,8 +113,8 @@ def main() -> None:
         "command": "python benchmarks/bench_quantize.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "asym", "act_order")
         ) + (" --asym" if args.asym else "") + (" --act-order" if args.act_order else ""),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip() or "unknown",
+        "commit": os.environ.get("QUANTKIT_COMMIT") or subprocess.run(  # the device's copy has no history
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown",
         "method": args.method, "group_size": args.group_size, "sym": not args.asym, "label": config.label(),
         "calibration_tokens": calib.n_tokens,
         "model_build_seconds": round(build_s, 1),
