@@ -177,6 +177,23 @@ def test_loss_is_the_damped_layer_output_error():
     assert "fallback" not in result.info
 
 
+@pytest.mark.parametrize("n", [1, 300, gptq.PERMUTE_ROWS])
+def test_permute_symmetric_is_rows_then_columns(n):
+    gen = torch.Generator().manual_seed(n)
+    matrix, order = torch.randn(n, n, generator=gen), torch.randperm(n, generator=gen)
+    assert torch.equal(gptq.permute_symmetric(matrix, order), matrix[order][:, order])
+
+
+def test_inverse_factor_in_place_is_the_out_of_place_factor():
+    """The in-place Cholesky, inverse and upper Cholesky give LAPACK's out-of-place results bit for bit."""
+    x = torch.randn(400, 96, generator=torch.Generator().manual_seed(0))
+    hessian = x.T @ x / 400
+    upper, damp = gptq.inverse_hessian_factor(hessian.clone, 0.01, "test")
+    damped = hessian + 0.01 * hessian.diagonal().mean() * torch.eye(96)
+    reference = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True)
+    assert damp == 0.01 and torch.equal(upper, reference)
+
+
 def test_hessian_is_running_mean_of_2xxT():
     x = make_inputs(64, 200, seed=7)
     quantizer = GPTQQuantizer(make_layer(64, 16, seed=0), QuantConfig())

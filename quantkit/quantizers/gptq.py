@@ -73,27 +73,43 @@ class WeightGrid(Protocol):
         ...
 
 
+PERMUTE_ROWS = 256
+
+
+def permute_symmetric(matrix: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """matrix[order][:, order] as one new [n, n] buffer: the columns are permuted in place, a band of rows at a
+    time, so a Hessian is never held three times (the caller's, the row-permuted, the fully permuted)."""
+    permuted = matrix[order]
+    for start in range(0, permuted.shape[0], PERMUTE_ROWS):
+        band = permuted[start : start + PERMUTE_ROWS]
+        band.copy_(band[:, order])
+    return permuted
+
+
+def _cholesky_in_place(matrix: torch.Tensor, upper: bool = False) -> bool:
+    """Factor `matrix` into its own storage (LAPACK's potrf works in place; no second [in, in] buffer).
+    False when it is not positive definite (the matrix then holds a partial factor)."""
+    info = torch.empty((), dtype=torch.int32, device=matrix.device)
+    torch.linalg.cholesky_ex(matrix, upper=upper, out=(matrix, info))
+    return info.item() == 0
+
+
 def inverse_hessian_factor(
     working_hessian: Callable[[], torch.Tensor], damp_percent: float, label: str
 ) -> tuple[torch.Tensor | None, float]:
     """Upper Cholesky factor U of (H + damp * mean(diag H) * I)^-1 (so U^T U is that inverse).
 
-    `working_hessian()` gives a fresh copy of H for each try, which is damped in place and then holds the
-    inverse: two [in, in] buffers alive at a time, not four. Retries with x10 damping while either
-    factorisation fails; returns (None, last damping tried) when none succeeds.
+    `working_hessian()` gives a fresh copy of H for each try, which is damped, factored, inverted and factored
+    again in place: one [in, in] buffer beside the caller's H, the peak of a streamed run on a CPU. Retries with
+    x10 damping while either factorisation fails; returns (None, last damping tried) when none succeeds.
     """
     for attempt in range(MAX_DAMP_ATTEMPTS):
         damp = damp_percent * DAMP_GROWTH**attempt
-        hessian = working_hessian()
-        hessian.diagonal().add_(damp * hessian.diagonal().mean())
-        lower, info = torch.linalg.cholesky_ex(hessian)
-        if info.item() == 0:
-            torch.cholesky_inverse(lower, out=hessian)
-            del lower
-            upper, info = torch.linalg.cholesky_ex(hessian, upper=True)
-            if info.item() == 0:
-                return upper, damp
-        del hessian
+        work = working_hessian()
+        work.diagonal().add_(damp * work.diagonal().mean())
+        if _cholesky_in_place(work) and _cholesky_in_place(torch.cholesky_inverse(work, out=work), upper=True):
+            return work, damp
+        del work
         retry = attempt + 1 < MAX_DAMP_ATTEMPTS
         log.warning(
             "GPTQ: the Hessian of %s is not positive definite with damp_percent=%g%s",
@@ -279,12 +295,13 @@ def gptq_quantize(
         W = W[:, order]
 
     def working_hessian() -> torch.Tensor:
-        """H in the work dtype, dead inputs' diagonal set to 1, act-order applied."""
-        H = hessian.to(W.device, dtype, copy=True)
-        H.diagonal()[dead] = 1
-        if options.act_order:
-            H = H[order]
-            H = H[:, order]  # a statement of its own: the unpermuted H is freed before the second copy
+        """A copy of H in the work dtype, act-order applied, dead inputs' diagonal set to 1."""
+        if not options.act_order:
+            H = hessian.to(W.device, dtype, copy=True)
+            H.diagonal()[dead] = 1
+            return H
+        H = permute_symmetric(hessian.to(W.device, dtype), order)
+        H.diagonal()[dead[order]] = 1
         return H
 
     U, damp_percent = inverse_hessian_factor(working_hessian, options.damp_percent, layer_label(weight))
