@@ -140,7 +140,7 @@ def _heldout_ppl(model, tokenizer, windows: int, seqlen: int) -> dict[str, float
 def quantize(
     ctx: typer.Context,
     model: Annotated[str | None, typer.Argument(help="HF folder, .gguf file or hub name; default: embedded SmolLM2-135M")] = None,
-    method: Annotated[str, typer.Option(help="quantization method")] = "gptq",  # choices: quantize_signature
+    method: Annotated[str, typer.Option(help="quantization method")] = "awq-gptq",  # choices: quantize_signature
     bits: Annotated[int, typer.Option(help="weight bits: 4 or 8")] = 4,
     group_size: Annotated[str, typer.Option(help="-1 (per channel), 32, 64, 128 or auto")] = "auto",
     asym: Annotated[bool, typer.Option("--asym", help="asymmetric (zero-point) weights")] = False,

@@ -186,6 +186,14 @@ def test_eval_compares_a_model_and_its_export(tiny_llama, tmp_path) -> None:
     assert all(p > 1 for p in ppl) and ppl[0] != ppl[1]
 
 
+def test_default_method_is_awq_gptq_with_act_order(tiny_llama, tmp_path) -> None:
+    """The README's choice: the most accurate method within the CPU and GPU time budgets."""
+    result = _quantize(str(tiny_llama), "--group-size", "32", "--output", str(tmp_path / "q"))
+    assert result.exit_code == 0, result.output
+    quant_config = json.loads((tmp_path / "q" / "quantkit.json").read_text())["quant_config"]
+    assert quant_config["method"] == "awq-gptq" and quant_config["options"]["act_order"] is True
+
+
 def _help() -> str:
     result = runner.invoke(app, ["quantize", "--help"], env={"COLUMNS": "240"})
     assert result.exit_code == 0, result.output
