@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device measurements, each one call of at most 10 minutes (the device tool's limit):
 # `bash benchmarks/device_runs.sh PART COMMIT` with $OUT set (the device tool sets it), PART one of
-#   check      the GPU tests (tests/test_cuda.py) and the decode attention kernel alone against SDPA  (~3 min)
+#   check      the GPU tests (test_cuda.py, test_gptq.py on cuda) and the decode attention kernel alone against SDPA  (~3 min)
 #   w4a16      the tuned W4A16 g128 grid, six shapes, M = 1 16 64 1024 4096                            (~4 min)
 #   w4a8       the tuned W4A8 two-level g128 grid, M = 1 16 64 256 1024 4096                          (~4 min)
 #   e2e        the Llama-3-8B-shaped model end to end, compiled, with SDPA beside the kernel          (~4 min)
@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
 mkdir -p "$QUANTKIT_CACHE_DIR" "$OUT"
 case $part in
   check)
-    PYTHONPATH=/tmp/qk python -P -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15 || true  # -P, PYTHONPATH without the checkout: its kernels/ never shadows PyPI kernels
+    PYTHONPATH=/tmp/qk python -P -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_gptq.py 2>&1 | tail -15 || true  # -P, PYTHONPATH without the checkout: its kernels/ never shadows PyPI kernels
     timeout 240 python benchmarks/bench_attention.py --out "$OUT/attention" --prompts 512 8192 32768 --batches 1 16 ;;
   w4a16)
     timeout 560 python benchmarks/bench_kernels.py --schemes w4a16 --ms 1 16 64 1024 4096 --out "$OUT/w4a16" ;;

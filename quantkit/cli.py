@@ -300,7 +300,7 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
     from quantkit.config import QuantConfig
     from quantkit.data import build_calibration_set, load_passages
     from quantkit.engine import quantize_model
-    from quantkit.export import export_checkpoint
+    from quantkit.export import export_checkpoint, export_dtype, scale_dtype_for
     from quantkit.formats import get_format
     from quantkit.models import get_adapter, load_model
     from quantkit.models.loading import default_dtype, load_tokenizer
@@ -315,9 +315,9 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
         output = default_output(model, method, bits, act_bits, group_size)
     options = method_class(method).options_class.from_dict(method_options_for(method, method_options))
 
-    def scheme(group: int) -> QuantConfig:
+    def scheme(group: int, scale_dtype: str = "float16") -> QuantConfig:
         config = QuantConfig(method=method, bits=bits, group_size=group, sym=not asym, act_bits=act_bits,
-                             moe_all_tokens=moe_all_tokens,
+                             moe_all_tokens=moe_all_tokens, scale_dtype=scale_dtype,
                              options=options).validate()
         get_format(format).check(config)
         return config
@@ -338,7 +338,8 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
         lm, tokenizer = load_model(model, dtype=default_dtype(work_device), trust_remote_code=trust_remote_code,
                                    allow_pickle=allow_pickle)
     adapter = get_adapter(lm)
-    config = scheme(resolve_group_size(lm, adapter, group_size))
+    # scales rounded to the dtype the export serves in (bf16 for Gemma or --dtype bfloat16)
+    config = scheme(resolve_group_size(lm, adapter, group_size), scale_dtype_for(export_dtype(lm, dtype)))
     console.print(f"[bold]{lm.config.model_type}[/] {config.method} W{config.bits}A{config.act_bits} "
                   f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format}, "
                   f"{nsamples} x {seqlen} calibration tokens on {work_device}")

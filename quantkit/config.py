@@ -14,9 +14,12 @@ from collections.abc import Mapping
 from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
+import torch
+
 from quantkit.qtensor import QuantizationError
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
+SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _SPEC = "quantkit.option"
 
 
@@ -105,6 +108,9 @@ class QuantConfig:
     moe_all_tokens: bool = False
     # modules never quantized (matched as name suffixes); lm_head and embeddings never are
     ignore: list[str] = field(default_factory=list)
+    # the dtype the export serves in, "float16" or "bfloat16" (fp32 exports hold fp16-rounded scales): scales are
+    # rounded to it before GPTQ compensates their error, so the export holds the scales it compensated for
+    scale_dtype: str = "float16"
     # the method's options (its Method.options_class); None: its defaults
     options: MethodOptions = None  # type: ignore[assignment]  # set in __post_init__
 
@@ -133,6 +139,8 @@ class QuantConfig:
             raise QuantizationError(
                 f"group size must be one of {SUPPORTED_GROUP_SIZES} (-1 = per channel), got {self.group_size}"
             )
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise QuantizationError(f"scale_dtype must be one of {sorted(SCALE_DTYPES)}, got {self.scale_dtype!r}")
         if self.act_bits not in (8, 16):
             raise QuantizationError(f"activation bits must be 8 or 16, got {self.act_bits}")
         if self.act_bits == 8 and self.bits != 4:
@@ -140,6 +148,10 @@ class QuantConfig:
         if self.act_bits == 8 and not self.sym:
             raise QuantizationError("W4A8 needs symmetric weights (drop --asym)")
         return self
+
+    @property
+    def scale_torch_dtype(self) -> torch.dtype:
+        return SCALE_DTYPES[self.scale_dtype]
 
     def label(self) -> str:
         """Short human-readable name of the scheme, e.g. 'gptq W4A16 g64 sym act-order'."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import struct
 from collections.abc import Callable, Collection, Iterable
@@ -22,6 +23,8 @@ from quantkit.nn.qlinear import QuantLinear
 from quantkit.outputs import check_free_space, check_output_target, staged_output
 from quantkit.qtensor import QuantizationError
 
+log = logging.getLogger("quantkit")
+
 SHARD_BYTES = 4 * 2**30
 
 
@@ -35,6 +38,19 @@ def export_dtype(model: nn.Module, requested: str = "auto") -> torch.dtype:
             raise QuantizationError(f"export dtype must be auto or one of {sorted(EXPORT_DTYPES)}, got {requested!r}")
         return EXPORT_DTYPES[requested]
     return torch.bfloat16 if model.config.model_type.startswith("gemma") else torch.float16
+
+
+def scale_dtype_for(torch_dtype: torch.dtype) -> str:
+    """QuantConfig.scale_dtype for an export in torch_dtype (an fp32 export keeps fp16 scales, exact in it)."""
+    return "bfloat16" if torch_dtype == torch.bfloat16 else "float16"
+
+
+def warn_on_scale_rounding(config: QuantConfig, torch_dtype: torch.dtype) -> None:
+    """An export in another dtype than the scales were rounded to rounds them again, after GPTQ's compensation."""
+    wanted = scale_dtype_for(torch_dtype)
+    if config.scale_dtype != wanted:
+        log.warning("the scales were rounded to %s while quantizing; this %s export rounds them again "
+                    "(QuantConfig(scale_dtype=%r) quantizes for it)", config.scale_dtype, wanted, wanted)
 
 
 def quantized_modules(model: nn.Module) -> dict[str, QuantLinear]:
@@ -193,6 +209,7 @@ def export_checkpoint(
     if not quantized_modules(model):
         raise QuantizationError("the model has no quantized layers to export")
     torch_dtype = export_dtype(model, dtype)
+    warn_on_scale_rounding(config, torch_dtype)
     tensors = {checkpoint_name(model, k): v for k, v in build_state_dict(model, fmt_name, torch_dtype).items()}
     output.parent.mkdir(parents=True, exist_ok=True)
     check_free_space(output.parent, sum(nbytes(v) for v in tensors.values()), "the export")

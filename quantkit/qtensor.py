@@ -66,13 +66,18 @@ def check_group_size(in_features: int, group_size: int) -> int:
     return group_size
 
 
+# The largest scale each scale dtype holds that fp16 holds too (the GPTQ and AWQ formats store fp16 scales).
+SCALE_MAX = {torch.float16: 65504.0, torch.bfloat16: 65280.0}
+
+
 def compute_qparams(
-    wmin: torch.Tensor, wmax: torch.Tensor, bits: int, sym: bool
+    wmin: torch.Tensor, wmax: torch.Tensor, bits: int, sym: bool, scale_dtype: torch.dtype = torch.float16
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and unsigned zero point from per-group min/max (any shape), GPTQ's min-max rule.
 
     Symmetric: scale = 2*absmax / (2**bits - 1), zero = 2**(bits-1). Asymmetric: the range always
-    contains 0, scale = (max - min) / (2**bits - 1), zero = round(-min / scale).
+    contains 0, scale = (max - min) / (2**bits - 1), zero = round(-min / scale). Scales are rounded to
+    `scale_dtype`, the dtype the model is served in: error compensation must see the scales the export holds.
     """
     maxq = 2**bits - 1
     wmin = torch.minimum(wmin, torch.zeros_like(wmin))
@@ -87,9 +92,7 @@ def compute_qparams(
     dead = scale == 0
     scale = torch.where(dead, torch.ones_like(scale), scale)
     # Tiny groups would round to a zero fp16 scale (NaN codes); huge ones overflow it.
-    scale = scale.clamp(2**-24, 65504)
-    # Round scales to fp16 now: exports store them in fp16, so error compensation must see those.
-    scale = scale.to(torch.float16).to(torch.float32)
+    scale = scale.clamp(2**-24, SCALE_MAX[scale_dtype]).to(scale_dtype).to(torch.float32)
     if zero is None:
         zero = torch.round(-wmin / scale).clamp(0, maxq)
     return scale, zero

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from test_adapters import tiny_model
 from test_engine import random_calibration
@@ -12,10 +13,11 @@ from torch import nn
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.engine import quantize_model
-from quantkit.export import quantized_modules
+from quantkit.export import export_checkpoint, quantized_modules
 from quantkit.models import get_adapter
 from quantkit.qtensor import compute_qparams, quantize_codes
 from quantkit.quantizers.rtn import rtn_quantize
+from quantkit.reload import load_quantized
 
 
 def _count_decoder_layer_calls(model: nn.Module) -> list[int]:
@@ -69,3 +71,31 @@ def test_asymmetric_zero_point_is_compressed_tensors_formula() -> None:
     scale, zero = compute_qparams(w.amin(-1), w.amax(-1), bits=4, sym=False)
     assert scale.item() == 0.0999755859375 and zero.item() == 3
     assert quantize_codes(w, scale[:, None], zero[:, None], 4).tolist() == [[0.0, 15.0, 8.0, 3.0]]
+
+
+def test_bf16_scale_is_rounded_to_bf16_and_exact_in_fp16() -> None:
+    # 0.2 in bf16 (8 significant bits): round(1.6 * 128) / 128 / 8 = 205 / 1024 = 0.2001953125, an fp16 value too
+    w = torch.tensor([[-1.5, 0.25, 0.65, -0.05]])
+    scale, _ = compute_qparams(w.amin(-1), w.amax(-1), bits=4, sym=True, scale_dtype=torch.bfloat16)
+    assert scale.item() == 0.2001953125 == scale.half().item()
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq-gptq", "rtn"])
+def test_bf16_export_holds_the_scales_the_method_compensated_for(method, tmp_path, caplog) -> None:
+    """Quantized for bf16 serving, the export's weights are the in-memory ones bit for bit; quantized for fp16
+    and exported in bf16, they are not (the scales are rounded again, after GPTQ), and the export says so."""
+    calib = random_calibration(n=4)
+    weights = {}
+    for scale_dtype in ("bfloat16", "float16"):
+        model = tiny_model("llama")
+        quantize_model(model, get_adapter(model), calib, QuantConfig(method=method, group_size=32,
+                       scale_dtype=scale_dtype), device="cpu", show_progress=False)
+        caplog.clear()
+        out = export_checkpoint(model, None, tmp_path / scale_dtype, QuantConfig(method=method, group_size=32,
+                                scale_dtype=scale_dtype), "compressed-tensors", dtype="bfloat16")
+        assert ("rounds them again" in caplog.text) == (scale_dtype == "float16")
+        reloaded, _ = load_quantized(out, dtype=torch.float32)
+        weights[scale_dtype] = [(m.dequantized_weight(), quantized_modules(reloaded)[n].dequantized_weight())
+                                for n, m in quantized_modules(model).items()]
+    assert all(torch.equal(mine, exported) for mine, exported in weights["bfloat16"])
+    assert not all(torch.equal(mine, exported) for mine, exported in weights["float16"])

@@ -112,7 +112,7 @@ def scaled_fake_quant(weight: torch.Tensor, scales: torch.Tensor, config: QuantC
     wide = _wide(weight.dtype)
     scaled = (weight.to(wide) * scales).to(weight.dtype)  # as fold_scales stores it
     mse = config.options_as(RTNOptions).mse
-    deq = rtn_fake_quantize(scaled, config.bits, config.group_size, config.sym, mse).to(wide)
+    deq = rtn_fake_quantize(scaled, config.bits, config.group_size, config.sym, mse, config.scale_torch_dtype).to(wide)
     return (deq / scales).to(weight.dtype)
 
 
@@ -346,7 +346,7 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, config: QuantConfig) -> C
         for step in range(CLIP_STEPS):
             shrink = 1 - step / CLIP_GRID
             clipped = _clamp(w, amax * shrink).to(weight.dtype).reshape(-1, in_features)
-            deq = rtn_fake_quantize(clipped, config.bits, group, config.sym, mse).to(wide)
+            deq = rtn_fake_quantize(clipped, config.bits, group, config.sym, mse, config.scale_torch_dtype).to(wide)
             diff = _group_outputs(x_grouped, deq.reshape(w.shape)) - reference
             err = diff.pow(2).mean(1).T  # [rows, groups]
             if step == 0:

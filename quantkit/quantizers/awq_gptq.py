@@ -68,12 +68,14 @@ class HessianWeightedGrid:
 
     def __init__(self, hessian_diagonal: torch.Tensor, config: QuantConfig, steps: int) -> None:
         self.importance, self.bits, self.sym, self.steps = hessian_diagonal, config.bits, config.sym, steps
+        self.scale_dtype = config.scale_torch_dtype
         self.lowest, self.highest = 0, 2**config.bits - 1
 
     def qparams(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         importance = self.importance.to(w).view(1, *w.shape[1:])
         shrinks = (1 - step * SHRINK_STEP for step in range(self.steps))  # 1 first: the min-max grid
-        return shrink_search(w, self.bits, self.sym, shrinks, lambda delta: (delta.square_() * importance).sum(-1))
+        return shrink_search(w, self.bits, self.sym, shrinks, lambda delta: (delta.square_() * importance).sum(-1),
+                             self.scale_dtype)
 
 
 def hessian_grid(hessian: torch.Tensor, config: QuantConfig) -> HessianWeightedGrid | None:

@@ -138,9 +138,8 @@ def _quantize_block(
     """The reference's inner loop: quantize column i, spread its error over the block's later columns."""
     for i in range(b.weights.shape[1]):
         if dynamic_group is not None and i % dynamic_group == 0:
-            scale, zero = find_qparams(
-                b.weights[:, i : i + dynamic_group], config.bits, config.sym, config.options_as(RTNOptions).mse
-            )
+            scale, zero = find_qparams(b.weights[:, i : i + dynamic_group], config.bits, config.sym,
+                                       config.options_as(RTNOptions).mse, config.scale_torch_dtype)
             b.scales[:, i : i + dynamic_group] = scale.unsqueeze(1)
             b.zeros[:, i : i + dynamic_group] = zero.unsqueeze(1)
         w, scale, zero = b.weights[:, i], b.scales[:, i], b.zeros[:, i]
@@ -253,7 +252,8 @@ def _rtn_fallback(
     """RTN-quantize the layer; info["loss"] is then the same objective with the undamped Hessian."""
     log.warning("GPTQ: %s for %s; falling back to RTN", reason, layer_label(weight))
     if grid is None:
-        result = rtn_quantize(weight, config.bits, config.group_size, config.sym, config.options_as(RTNOptions).mse)
+        result = rtn_quantize(weight, config.bits, config.group_size, config.sym, config.options_as(RTNOptions).mse,
+                              config.scale_torch_dtype)
     else:  # with an identity Hessian no error is spread: GPTQ is RTN on the grid
         result = gptq_quantize(weight, torch.eye(weight.shape[1], device=weight.device), config, grid)
     loss = math.nan
@@ -286,7 +286,8 @@ def gptq_quantize(
     if grid is not None:
         scales, zeros = grid.qparams(W.view(rows, cols // group, group))
     elif static:
-        scales, zeros = find_qparams(W.view(rows, cols // group, group), config.bits, config.sym, options.mse)
+        scales, zeros = find_qparams(W.view(rows, cols // group, group), config.bits, config.sym, options.mse,
+                                     config.scale_torch_dtype)
     else:
         scales, zeros = W.new_empty(rows, cols // group), W.new_empty(rows, cols // group)
     order = torch.arange(cols, device=W.device)

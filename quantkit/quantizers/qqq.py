@@ -95,7 +95,7 @@ class QQQQuantizer(GPTQQuantizer):
 
     def __init__(self, linear: nn.Linear, config: QuantConfig) -> None:
         super().__init__(linear, config)
-        self.grid = make_grid(config.group_size)
+        self.grid = make_grid(config.group_size, config.scale_torch_dtype)
 
     def quantize(self) -> QuantizedWeight:
         result = super().quantize()

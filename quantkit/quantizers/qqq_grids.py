@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.qtensor import QuantizedWeight, check_group_size, quantize_codes
+from quantkit.qtensor import SCALE_MAX, QuantizedWeight, check_group_size, quantize_codes
 
 BITS = 4
 ZERO = 8  # symmetric 4-bit: unsigned code 8 is 0
@@ -22,10 +22,13 @@ class PerChannelGrid:
 
     lowest, highest = ZERO - 7, ZERO + 7
 
+    def __init__(self, scale_dtype: torch.dtype = torch.float16) -> None:
+        self.scale_dtype = scale_dtype  # the served dtype: GPTQ must see the scales the export holds
+
     def qparams(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         absmax = w.abs().amax(dim=-1)
-        scale = torch.where(absmax == 0, 1.0, absmax / 7).clamp(2**-24, 65504)
-        scale = scale.to(torch.float16).to(w.dtype)  # exports store fp16 scales: GPTQ must see those
+        scale = torch.where(absmax == 0, 1.0, absmax / 7).clamp(2**-24, SCALE_MAX[self.scale_dtype])
+        scale = scale.to(self.scale_dtype).to(w.dtype)
         return scale, torch.full_like(scale, ZERO)
 
 
@@ -52,8 +55,9 @@ class TwoLevelGrid:
         return multiple * channel[:, None], torch.full_like(multiple, ZERO)
 
 
-def make_grid(group_size: int) -> PerChannelGrid | TwoLevelGrid:
-    return PerChannelGrid() if group_size == -1 else TwoLevelGrid()
+def make_grid(group_size: int, scale_dtype: torch.dtype = torch.float16) -> PerChannelGrid | TwoLevelGrid:
+    """Two-level scales are exact in fp16 and bf16 alike; per-channel ones are rounded to scale_dtype."""
+    return PerChannelGrid(scale_dtype) if group_size == -1 else TwoLevelGrid()
 
 
 @dataclass

@@ -99,7 +99,7 @@ class SmoothingProbe:
         hessian = 2 * x.t() @ x / max(x.shape[0], 1)
         weights = []
         for w in self.weights:
-            grid = make_grid(config.group_size)
+            grid = make_grid(config.group_size, config.scale_torch_dtype)
             weights.append(Int8Weight.from_quantized(gptq_quantize(w * scales.to(w), hessian, config, grid), grid))
         return self.loss_with(scales, weights)
 

@@ -52,14 +52,15 @@ def check_finite_weights(weight: torch.Tensor) -> None:
 
 
 def shrink_search(w: torch.Tensor, bits: int, sym: bool, shrinks: Iterable[float],
-                  error: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                  error: Callable[[torch.Tensor], torch.Tensor],
+                  scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero per row of w's last dimension: its min-max range shrunk by whichever factor of `shrinks`
     gives the smallest error(fake_quantize(w) - w), a per-row sum (the first factor wins ties)."""
     wmin, wmax = w.amin(dim=-1), w.amax(dim=-1)
     best_err = torch.full_like(wmin, float("inf"))
     best_scale, best_zero = torch.empty_like(wmin), torch.empty_like(wmin)
     for shrink in shrinks:
-        scale, zero = compute_qparams(shrink * wmin, shrink * wmax, bits, sym)
+        scale, zero = compute_qparams(shrink * wmin, shrink * wmax, bits, sym, scale_dtype)
         err = error(fake_quantize(w, scale.unsqueeze(-1), zero.unsqueeze(-1), bits) - w)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
@@ -68,40 +69,44 @@ def shrink_search(w: torch.Tensor, bits: int, sym: bool, shrinks: Iterable[float
     return best_scale, best_zero
 
 
-def mse_qparams(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def mse_qparams(w: torch.Tensor, bits: int, sym: bool,
+                scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero per row of w's last dimension minimising sum |w - fake_quantize(w)|^MSE_NORM."""
     shrinks = (1 - step / MSE_GRID for step in range(int(MSE_MAX_SHRINK * MSE_GRID)))  # 1 first: the min-max grid
-    return shrink_search(w, bits, sym, shrinks, lambda delta: delta.abs_().pow_(MSE_NORM).sum(dim=-1))
+    return shrink_search(w, bits, sym, shrinks, lambda delta: delta.abs_().pow_(MSE_NORM).sum(dim=-1), scale_dtype)
 
 
-def find_qparams(w: torch.Tensor, bits: int, sym: bool, mse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def find_qparams(w: torch.Tensor, bits: int, sym: bool, mse: bool,
+                 scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and (float) zero point per row of w's last dimension: min-max, or MSE-searched."""
     if mse:
-        return mse_qparams(w, bits, sym)
-    return compute_qparams(w.amin(dim=-1), w.amax(dim=-1), bits, sym)
+        return mse_qparams(w, bits, sym, scale_dtype)
+    return compute_qparams(w.amin(dim=-1), w.amax(dim=-1), bits, sym, scale_dtype)
 
 
-def _rtn_grouped(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
-                 mse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rtn_grouped(weight: torch.Tensor, bits: int, group_size: int, sym: bool, mse: bool,
+                 scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(float codes [out, groups, group], scale, zero [out, groups]) of weight [out, in]."""
     check_finite_weights(weight)
     out_features, in_features = weight.shape
     group = check_group_size(in_features, group_size)
     grouped = weight.detach().to(torch.float32).reshape(out_features, in_features // group, group)
-    scale, zero = find_qparams(grouped, bits, sym, mse)
+    scale, zero = find_qparams(grouped, bits, sym, mse, scale_dtype)
     return quantize_codes(grouped, scale.unsqueeze(-1), zero.unsqueeze(-1), bits), scale, zero
 
 
-def rtn_fake_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, mse: bool) -> torch.Tensor:
+def rtn_fake_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, mse: bool,
+                      scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """rtn_quantize(...).dequantize() (fp32, the same values), without the uint8 codes and the per-column
     gathers of the group parameters: AWQ's searches dequantize thousands of trial weights."""
-    codes, scale, zero = _rtn_grouped(weight, bits, group_size, sym, mse)
+    codes, scale, zero = _rtn_grouped(weight, bits, group_size, sym, mse, scale_dtype)
     return ((codes - zero.unsqueeze(-1)) * scale.unsqueeze(-1)).reshape(weight.shape)
 
 
-def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, mse: bool) -> QuantizedWeight:
+def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, mse: bool,
+                 scale_dtype: torch.dtype = torch.float16) -> QuantizedWeight:
     """Quantize weight [out, in] group by group; the source tensor is left untouched."""
-    codes, scale, zero = _rtn_grouped(weight, bits, group_size, sym, mse)
+    codes, scale, zero = _rtn_grouped(weight, bits, group_size, sym, mse, scale_dtype)
     return QuantizedWeight(
         codes=codes.reshape(weight.shape).to(torch.uint8),
         scales=scale,
@@ -115,7 +120,8 @@ def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, ms
 class RTNQuantizer(LinearQuantizer):
     def quantize(self) -> QuantizedWeight:
         c = self.config
-        return rtn_quantize(self.linear.weight, c.bits, c.group_size, c.sym, c.options_as(RTNOptions).mse)
+        return rtn_quantize(self.linear.weight, c.bits, c.group_size, c.sym, c.options_as(RTNOptions).mse,
+                            c.scale_torch_dtype)
 
 
 @register

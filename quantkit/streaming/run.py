@@ -25,6 +25,7 @@ from quantkit.export import (
     dense_tensor_names,
     export_dtype,
     pack_linear,
+    warn_on_scale_rounding,
     write_metadata,
     write_shards,
 )
@@ -159,6 +160,7 @@ def quantize_streaming(
     output = Path(output).expanduser().resolve()
     adapter = get_adapter(model)
     torch_dtype = export_dtype(model, dtype)
+    warn_on_scale_rounding(config, torch_dtype)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     settings = _settings(config, fmt_name, torch_dtype, model, device, batch_size)
     work = WorkDir(work_dir_for(output), run_key(ckpt.fingerprint(), settings, calib), resume_interval)
