@@ -16,7 +16,8 @@ benchmarks/accuracy/NEW_METHOD.md):
 * post_norm_loss: with sandwich norms (Gemma 3), a block's output reaches the residual stream through an RMSNorm of
   its own, which divides each token by its RMS and multiplies each channel by a gain (Gemma-3-270M's span ~0 to
   over 1000 within a layer). Scored at the block's raw output, AWQ's loss weights every channel and token alike;
-  with this option the candidates are scored after that norm (up -> down through the whole MLP).
+  with this option the candidates are scored after that norm (up -> down through the whole MLP). Measured on
+  Gemma-3 it moves the share of GPTQ's gap closed from 0.217 to 0.226 only: an option, not the default.
 
 AWQ's clipping (AWQOptions.clip) clamps each group's weights to the range whose *rounding* error is smallest,
 while GPTQ spreads each column's error over the columns still to come: clamping discards weight mass GPTQ could
