@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import copy
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 from realmodel import mean
-from test_awq import outlier_model
+from test_awq import brute_force_losses, layer_context, outlier_model
 from test_engine import random_calibration
 
 from quantkit.config import QuantConfig
@@ -21,15 +22,19 @@ from quantkit.export import export_checkpoint, quantized_modules
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError, compute_qparams, fake_quantize
+from quantkit.quantizers.awq import search_scales
 from quantkit.quantizers.awq_gptq import (
+    POST_NORMS,
     SHRINK_STEP,
     AWQGPTQOptions,
     HessianWeightedGrid,
     gptq_trial,
     hessian_grid,
 )
+from quantkit.quantizers.base import get_method
 from quantkit.quantizers.gptq import GPTQOptions, gptq_quantize
 from quantkit.reload import load_quantized
+from quantkit.smoothing import active_scaling_groups
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 REPORT = "smollm2_awq_gptq"  # QUANTKIT_TEST_REPORT=DIR: DIR/smollm2_awq_gptq.json
@@ -118,6 +123,23 @@ def test_smoothing_is_awqs_and_clipping_is_optional() -> None:
     clipped = QuantConfig(method="awq-gptq", group_size=32, options=AWQGPTQOptions(clip=True))
     _, report = quantized(original, calib, clipped)
     assert all("clip" in layer["smoothing"] for layer in report.layers)
+
+
+def test_post_norm_loss_scores_after_the_sandwich_norm() -> None:
+    """Gemma 3: each candidate's loss is the MSE of the block's post-norm output (up -> down: the MLP's), by brute
+    force over the whole layer; without sandwich norms (Llama) the option changes nothing."""
+    options = AWQGPTQOptions(post_norm_loss=True)
+    config = QuantConfig(method="awq-gptq", group_size=32, options=options)
+    ctx = layer_context(outlier_model("gemma3", torch.float64), random_calibration(pad_from={0: 7}), index=1)
+    for group in active_scaling_groups(ctx.layer, ctx.adapter):
+        result = get_method(config).search_group(ctx, group)
+        after_norm = replace(group, inspect=POST_NORMS[group.inspect or "mlp"])
+        _, losses = brute_force_losses(copy.deepcopy(ctx.layer), ctx, after_norm, config)
+        assert result.losses == pytest.approx(losses, rel=1e-6), group.prev
+        assert result.losses != pytest.approx(search_scales(ctx, group, config).losses, rel=1e-3), group.prev
+    ctx = layer_context(outlier_model("llama", torch.float64), random_calibration(), index=1)
+    for group in active_scaling_groups(ctx.layer, ctx.adapter):
+        assert get_method(config).search_group(ctx, group).losses == search_scales(ctx, group, config).losses
 
 
 @pytest.mark.parametrize("act_bits", [16, 8])

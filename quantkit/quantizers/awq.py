@@ -425,6 +425,10 @@ class AWQ(Method):
         """How the scale search quantizes a candidate (None: RTN, AWQ's own); subclasses quantize otherwise."""
         return None
 
+    def search_group(self, ctx: LayerContext, group: ScalingGroup) -> ScaleSearch:
+        """One scaling group's scale search, the layer left as it was; subclasses score candidates otherwise."""
+        return search_scales(ctx, group, self.config, self.trial_weight(ctx, group))
+
     def smooth_layer(self, ctx: LayerContext) -> dict:
         try:
             return self._smooth(ctx)
@@ -434,7 +438,7 @@ class AWQ(Method):
     def _smooth(self, ctx: LayerContext) -> dict:
         scales, skipped = {}, 0
         for group in active_scaling_groups(ctx.layer, ctx.adapter):
-            result = search_scales(ctx, group, self.config, self.trial_weight(ctx, group))
+            result = self.search_group(ctx, group)
             if result.scales is None:
                 skipped += 1
                 log.warning("layer %d %s: AWQ scale left at 1 (%s)", ctx.index, group.prev, result.skipped)
