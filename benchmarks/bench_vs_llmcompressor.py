@@ -125,19 +125,33 @@ def record(args: argparse.Namespace, row: str, entry: dict) -> None:
     print(row, json.dumps(entry), flush=True)
 
 
+def quantkit_code() -> str:
+    """The last commit that changed quantkit's code: a cached quantized model is valid while it is unchanged."""
+    return subprocess.run(["git", "log", "-1", "--format=%h", "--", "quantkit", "kernels"], capture_output=True,
+                          text=True, cwd=REPO).stdout.strip()
+
+
 def quantize_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
-    """quantkit's row `name` of QUANTKIT_ROWS, quantized on the saved calibration ids."""
+    """quantkit's row `name` of QUANTKIT_ROWS, quantized on the saved calibration ids. The quantized model is
+    kept under --work, so scoring the same row again (tasks after perplexity) does not quantize it again
+    unless quantkit's code or the row's config changed."""
     from quantkit.config import QuantConfig
     from quantkit.data import CalibrationSet
     from quantkit.engine import quantize_model
     from quantkit.models import get_adapter, load_model
 
     config = QuantConfig.from_dict({"group_size": MODELS[args.model].group_size, **QUANTKIT_ROWS[name]}).validate()
+    key = {"code": quantkit_code(), "config": config.to_dict()}
+    cache = work_dir(args) / f"quantkit-{name}.pt"
+    if cache.exists() and (cached := torch.load(cache, weights_only=False))["key"] == key:
+        return cached["model"], cached["entry"]
     model = load_model(MODELS[args.model].gguf())[0]
     start = time.perf_counter()
     quantize_model(model, get_adapter(model), CalibrationSet(**load_calibration(args)), config, device="cpu",
                    show_progress=False)
-    return model, {"scheme": config.label(), "quantize_s": round(time.perf_counter() - start)}
+    entry = {"scheme": config.label(), "quantize_s": round(time.perf_counter() - start)}
+    torch.save({"key": key, "model": model, "entry": entry}, cache)
+    return model, entry
 
 
 def load_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
