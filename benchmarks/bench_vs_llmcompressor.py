@@ -110,15 +110,22 @@ def commit() -> str:
 
 
 def record(args: argparse.Namespace, row: str, entry: dict) -> None:
-    """Merge one row's measurements into the model's JSON, each with the command that produced it."""
+    """Merge one row's measurements into the model's JSON, each with the command that produced it. The row's
+    commit, date and quantize time stay its held-out run's; a tasks pass adds its own commit and date."""
     path = RESULTS / f"vs_llmcompressor_{args.model}.json"
     results = json.loads(path.read_text()) if path.exists() else {"rows": {}}
     samples, seqlen = load_calibration(args)["input_ids"].shape
     results["protocol"] = {"group_size": MODELS[args.model].group_size, "windows": args.windows,
                            "calibration": f"{samples} x {seqlen} tokens, seed 0"}
     command = "python benchmarks/bench_vs_llmcompressor.py " + shlex.join(sys.argv[1:])
+    stamp = {"commit": commit(), "date": date.today().isoformat()}
     merged = results["rows"].setdefault(row, {})
-    merged.update(entry, commit=commit(), date=date.today().isoformat())
+    if "heldout" in entry or not merged:
+        merged.update(entry, **stamp)
+    else:
+        merged.update({key: value for key, value in entry.items() if key != "quantize_s"})
+    if "tasks" in entry:
+        merged.update(tasks_commit=stamp["commit"], tasks_date=stamp["date"])
     commands = merged.setdefault("commands", {})
     commands.update({key: command for key in ("heldout", "tasks") if key in entry})
     path.write_text(json.dumps(results, indent=1) + "\n")
