@@ -272,7 +272,7 @@ def tables(args: argparse.Namespace) -> None:
     with_tasks = [name for name in rows if "tasks" in rows[name]]
     if with_tasks:
         tasks = list(rows[with_tasks[0]]["tasks"])
-        print("\n| row | " + " | ".join(tasks) + " |\n|---" * (len(tasks) + 1) + "|")
+        print("\n| row | " + " | ".join(tasks) + " |\n|" + " --- |" * (len(tasks) + 1))
         for name in with_tasks:
             cells = [f"{100 * t['value']:.1f} ± {100 * t['stderr']:.1f}" for t in rows[name]["tasks"].values()]
             print(f"| {label[name]} | " + " | ".join(cells) + " |")
