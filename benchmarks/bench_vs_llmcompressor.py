@@ -110,34 +110,55 @@ def commit() -> str:
 
 
 def record(args: argparse.Namespace, row: str, entry: dict) -> None:
-    """Merge one row's measurements into the model's JSON, each with the command that produced it."""
+    """Merge one row's measurements into the model's JSON, each with the command that produced it. The row's
+    commit, date and quantize time stay its held-out run's; a tasks pass adds its own commit and date."""
     path = RESULTS / f"vs_llmcompressor_{args.model}.json"
     results = json.loads(path.read_text()) if path.exists() else {"rows": {}}
     samples, seqlen = load_calibration(args)["input_ids"].shape
     results["protocol"] = {"group_size": MODELS[args.model].group_size, "windows": args.windows,
                            "calibration": f"{samples} x {seqlen} tokens, seed 0"}
     command = "python benchmarks/bench_vs_llmcompressor.py " + shlex.join(sys.argv[1:])
+    stamp = {"commit": commit(), "date": date.today().isoformat()}
     merged = results["rows"].setdefault(row, {})
-    merged.update(entry, commit=commit(), date=date.today().isoformat())
+    if "heldout" in entry or not merged:
+        merged.update(entry, **stamp)
+    else:
+        merged.update({key: value for key, value in entry.items() if key != "quantize_s"})
+    if "tasks" in entry:
+        merged.update(tasks_commit=stamp["commit"], tasks_date=stamp["date"])
     commands = merged.setdefault("commands", {})
     commands.update({key: command for key in ("heldout", "tasks") if key in entry})
     path.write_text(json.dumps(results, indent=1) + "\n")
     print(row, json.dumps(entry), flush=True)
 
 
+def quantkit_code() -> str:
+    """The last commit that changed quantkit's code: a cached quantized model is valid while it is unchanged."""
+    return subprocess.run(["git", "log", "-1", "--format=%h", "--", "quantkit", "kernels"], capture_output=True,
+                          text=True, cwd=REPO).stdout.strip()
+
+
 def quantize_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
-    """quantkit's row `name` of QUANTKIT_ROWS, quantized on the saved calibration ids."""
+    """quantkit's row `name` of QUANTKIT_ROWS, quantized on the saved calibration ids. The quantized model is
+    kept under --work, so scoring the same row again (tasks after perplexity) does not quantize it again
+    unless quantkit's code or the row's config changed."""
     from quantkit.config import QuantConfig
     from quantkit.data import CalibrationSet
     from quantkit.engine import quantize_model
     from quantkit.models import get_adapter, load_model
 
     config = QuantConfig.from_dict({"group_size": MODELS[args.model].group_size, **QUANTKIT_ROWS[name]}).validate()
+    key = {"code": quantkit_code(), "config": config.to_dict()}
+    cache = work_dir(args) / f"quantkit-{name}.pt"
+    if cache.exists() and (cached := torch.load(cache, weights_only=False))["key"] == key:
+        return cached["model"], cached["entry"]
     model = load_model(MODELS[args.model].gguf())[0]
     start = time.perf_counter()
     quantize_model(model, get_adapter(model), CalibrationSet(**load_calibration(args)), config, device="cpu",
                    show_progress=False)
-    return model, {"scheme": config.label(), "quantize_s": round(time.perf_counter() - start)}
+    entry = {"scheme": config.label(), "quantize_s": round(time.perf_counter() - start)}
+    torch.save({"key": key, "model": model, "entry": entry}, cache)
+    return model, entry
 
 
 def load_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
@@ -251,7 +272,7 @@ def tables(args: argparse.Namespace) -> None:
     with_tasks = [name for name in rows if "tasks" in rows[name]]
     if with_tasks:
         tasks = list(rows[with_tasks[0]]["tasks"])
-        print("\n| row | " + " | ".join(tasks) + " |\n|---" * (len(tasks) + 1) + "|")
+        print("\n| row | " + " | ".join(tasks) + " |\n|" + " --- |" * (len(tasks) + 1))
         for name in with_tasks:
             cells = [f"{100 * t['value']:.1f} ± {100 * t['stderr']:.1f}" for t in rows[name]["tasks"].values()]
             print(f"| {label[name]} | " + " | ".join(cells) + " |")
