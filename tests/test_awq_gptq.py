@@ -43,8 +43,8 @@ REPORT = "smollm2_awq_gptq"  # QUANTKIT_TEST_REPORT=DIR: DIR/smollm2_awq_gptq.js
 SLOW_SECONDS = 572
 # Share of GPTQ's gap to fp closed, per text then averaged (issue #31's measure, target 0.25): measured 0.455
 # (English 0.126, Korean 0.785)
-MIN_CLOSED = 0.4
-MIN_CLOSED_PER_TEXT = 0.1
+MIN_CLOSED = 0.5  # measured 0.569
+MIN_CLOSED_PER_TEXT = 0.2  # measured 0.280 (English), 0.858 (Korean)
 SMOLLM2_AWQ_GPTQ = QuantConfig(method="awq-gptq", group_size=64)
 
 
@@ -178,7 +178,7 @@ def test_every_format_exports_and_reloads(tmp_path, fmt: str, sym: bool, act_bit
 @pytest.mark.slow(seconds=SLOW_SECONDS)
 def test_smollm2_beats_gptq_and_rtn(smollm2_setup, smollm2_recorder) -> None:
     """Held-out NLL (English, Korean) measured 2026-12-06 (benchmarks/accuracy/NEW_METHOD.md): fp 2.881, 1.390;
-    awq-gptq 3.120, 1.422; GPTQ act-order 3.155, 1.539; RTN 3.240, 1.850."""
+    awq-gptq 3.078, 1.411; GPTQ act-order 3.155, 1.539; RTN 3.240, 1.850."""
     model, _, calib, _ = smollm2_setup
     fp = smollm2_recorder.nll(model, "fp32")
     nll = {"rtn": smollm2_recorder.quantized(model, calib, QuantConfig(method="rtn", group_size=64))[0],
