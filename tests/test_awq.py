@@ -164,6 +164,15 @@ def test_scale_search_scores_only_the_first_batches(kind: str) -> None:
         torch.testing.assert_close(limited.scales, reference.scales, rtol=1e-12, atol=0)
 
 
+def test_scale_search_without_scored_tokens_leaves_the_scale() -> None:
+    ctx = layer_context(outlier_model("llama"), random_calibration())
+    masks = [torch.zeros_like(ctx.token_masks[0]), *ctx.token_masks[1:]]  # the first batch: padding only
+    padded = LayerContext(ctx.index, ctx.layer, ctx.adapter, ctx.inputs, ctx.kwargs, masks, CPU)
+    config = QuantConfig(method="awq", group_size=32, options=AWQOptions(search_tokens=1))
+    result = search_scales(padded, active_scaling_groups(ctx.layer, ctx.adapter)[0], config)
+    assert result.scales is None and "scored batches" in result.skipped and result.tokens > 0
+
+
 def test_clip_search_minimises_each_groups_output_error() -> None:
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(6, 48, generator=gen, dtype=torch.float64) * 0.05

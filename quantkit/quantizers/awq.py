@@ -270,8 +270,8 @@ def search_scales(ctx: LayerContext, group: ScalingGroup, config: QuantConfig,
     options = config.options_as(AWQOptions)
     data = _capture(ctx, group, options.search_tokens)
     result = ScaleSearch(group, data.tokens, data.scored_tokens)
-    if data.tokens == 0:
-        result.skipped = "no calibration tokens"
+    if data.scored_tokens == 0:  # e.g. an expert no scored token was routed to
+        result.skipped = "no calibration tokens" + (" in the scored batches (--awq-search-tokens)" if data.tokens else "")
         return result
     x_mean = data.abs_sum / data.tokens  # fp32, or float64 for a float64 model
     if not torch.isfinite(x_mean).all():
