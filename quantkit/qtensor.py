@@ -70,6 +70,12 @@ def check_group_size(in_features: int, group_size: int) -> int:
 SCALE_MAX = {torch.float16: 65504.0, torch.bfloat16: 65280.0}
 
 
+def round_scale(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """scale in scale_dtype, the dtype the model is served in: tiny groups would round to a zero fp16 scale (NaN
+    codes), huge ones overflow it."""
+    return scale.clamp(2**-24, SCALE_MAX[scale_dtype]).to(scale_dtype)
+
+
 def compute_qparams(
     wmin: torch.Tensor, wmax: torch.Tensor, bits: int, sym: bool, scale_dtype: torch.dtype = torch.float16
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,8 +97,7 @@ def compute_qparams(
         zero = None
     dead = scale == 0
     scale = torch.where(dead, torch.ones_like(scale), scale)
-    # Tiny groups would round to a zero fp16 scale (NaN codes); huge ones overflow it.
-    scale = scale.clamp(2**-24, SCALE_MAX[scale_dtype]).to(scale_dtype).to(torch.float32)
+    scale = round_scale(scale, scale_dtype).to(torch.float32)
     if zero is None:
         zero = torch.round(-wmin / scale).clamp(0, maxq)
     return scale, zero

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.qtensor import SCALE_MAX, QuantizedWeight, check_group_size, quantize_codes
+from quantkit.qtensor import QuantizedWeight, check_group_size, quantize_codes, round_scale
 
 BITS = 4
 ZERO = 8  # symmetric 4-bit: unsigned code 8 is 0
@@ -27,8 +27,7 @@ class PerChannelGrid:
 
     def qparams(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         absmax = w.abs().amax(dim=-1)
-        scale = torch.where(absmax == 0, 1.0, absmax / 7).clamp(2**-24, SCALE_MAX[self.scale_dtype])
-        scale = scale.to(self.scale_dtype).to(w.dtype)
+        scale = round_scale(torch.where(absmax == 0, 1.0, absmax / 7), self.scale_dtype).to(w.dtype)
         return scale, torch.full_like(scale, ZERO)
 
 
