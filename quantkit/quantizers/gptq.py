@@ -297,12 +297,11 @@ def gptq_quantize(
 
     def working_hessian() -> torch.Tensor:
         """A copy of H in the work dtype, act-order applied, dead inputs' diagonal set to 1."""
-        if not options.act_order:
+        if options.act_order:
+            H = permute_symmetric(hessian.to(W.device, dtype), order)
+        else:
             H = hessian.to(W.device, dtype, copy=True)
-            H.diagonal()[dead] = 1
-            return H
-        H = permute_symmetric(hessian.to(W.device, dtype), order)
-        H.diagonal()[dead[order]] = 1
+        H.diagonal()[dead[order]] = 1  # order is the identity without act-order
         return H
 
     U, damp_percent = inverse_hessian_factor(working_hessian, options.damp_percent, layer_label(weight))
