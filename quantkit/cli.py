@@ -211,11 +211,6 @@ class _DeclaredOption:
         return self.defaults[method] if given is None else given
 
 
-def _cli_default(f: Field) -> Any:
-    cli_default = option_spec(f).cli_default
-    return f.default if cli_default is None else cli_default
-
-
 def _declared_options() -> dict[str, _DeclaredOption]:
     """Every option field of the registered methods, once (a field several methods share, e.g. GPTQ's inside
     QQQ's, names all of them, each with its own default: awq-gptq searches fewer AWQ ratios than AWQ)."""
@@ -227,7 +222,7 @@ def _declared_options() -> dict[str, _DeclaredOption]:
         types = typing.get_type_hints(method_cls.options_class)
         for f in fields(method_cls.options_class):
             found.setdefault(f.name, (f, types[f.name]))
-            defaults.setdefault(f.name, {})[name] = _cli_default(f)
+            defaults.setdefault(f.name, {})[name] = f.default
     return {name: _DeclaredOption(f, annotation, defaults[name]) for name, (f, annotation) in found.items()}
 
 

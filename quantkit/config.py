@@ -29,7 +29,6 @@ class OptionSpec:
 
     help: str
     flag: str | None = None  # click declaration, e.g. "--damp" or "--clip/--no-clip"; None: --field-name
-    cli_default: Any = None  # the command line's default where it differs from the Python API's (None: same)
     legacy: str | None = None  # the key of the flat quant_config older exports wrote
     choices: tuple[str, ...] | None = None
     minimum: float | None = None  # None values are always allowed (they mean "the method decides")

@@ -85,8 +85,9 @@ class GPTQFormat(CheckpointFormat):
         )
 
     def quantization_config(self, config: QuantConfig, ignored_modules: list[str]) -> dict:
-        # methods without GPTQ's options (RTN, AWQ) record its defaults, as GPTQModel's config always holds them
-        gptq = config.options if isinstance(config.options, GPTQOptions) else GPTQOptions()
+        # methods without GPTQ's options (RTN, AWQ) record its defaults, as GPTQModel's config always holds them,
+        # but no static groups: they order nothing
+        gptq = config.options if isinstance(config.options, GPTQOptions) else GPTQOptions(act_order=False)
         qconfig = {
             "quant_method": self.quant_method,
             "checkpoint_format": "gptq",

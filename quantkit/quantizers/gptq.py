@@ -50,8 +50,8 @@ class GPTQOptions(RTNOptions):
     """GPTQ's options (RTN's grid options, which its fallback uses, included); QQQ extends these."""
 
     damp_percent: float = option(0.01, "relative dampening", flag="--damp")
-    act_order: bool = option(False, "act-order with static groups (no inference cost)",
-                             flag="--act-order/--no-act-order", cli_default=True)
+    act_order: bool = option(True, "act-order with static groups (no inference cost)",
+                             flag="--act-order/--no-act-order")
     block_size: int = option(128, "columns per lazy-batch block", minimum=1)
 
     def check(self) -> None:
