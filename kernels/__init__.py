@@ -193,7 +193,7 @@ def unsupported_reason(layer: torch.nn.Module) -> str | None:
     return None
 
 
-def _two_level_int8_overflow(layer: torch.nn.Module) -> bool:
+def two_level_int8_overflow(layer: torch.nn.Module) -> bool:
     """True if some round((q - z) * group_scale) leaves int8 for a code q in [0, 15] (QQQ would wrap it)."""
     z = layer.zeros.float()
     gs = layer.scales.float()
@@ -208,7 +208,7 @@ def make_kernel_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
     swap-layout kernels run; QuantLinear.prepare_kernels lets the layer's own buffer go there too)."""
     reason = unsupported_reason(layer)
     two_level = layer.act_bits == 8 and layer.channel_scales is not None
-    if reason is None and two_level and _two_level_int8_overflow(layer):
+    if reason is None and two_level and two_level_int8_overflow(layer):
         reason = "a group scale takes (q - zero) * scale outside int8"
     if reason is not None:
         log.info("QuantLinear(%s) keeps the reference path: %s", layer.extra_repr(), reason)

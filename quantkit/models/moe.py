@@ -152,14 +152,14 @@ def _grouped_scheme(linear: nn.Module) -> tuple | None:
     """What the grouped kernels need equal across experts, (act_bits, two_level, group, in, out, dtype), or None where
     a linear is no fp16/bf16 4-bit QuantLinear without bias of a scheme they compute: W4A16, or W4A8 per channel or
     QQQ's two-level with every weight in int8 (the dense W4A8 kernels' schemes, kernels.make_kernel_forward)."""
-    from quantkit.kernels import _two_level_int8_overflow
+    from quantkit.kernels import two_level_int8_overflow
 
     if (not isinstance(linear, QuantLinear) or linear.bits != 4 or linear.act_bits not in (8, 16)
             or linear.bias is not None
             or linear.scales.dtype not in (torch.float16, torch.bfloat16)):  # fp32 would run tl.dot in tf32
         return None
     two_level = linear.channel_scales is not None
-    if linear.act_bits == 8 and (_two_level_int8_overflow(linear) if two_level
+    if linear.act_bits == 8 and (two_level_int8_overflow(linear) if two_level
                                  else linear.group_size != linear.in_features):
         return None  # QQQ would wrap the weight; one-level group scales with int8 activations: no W4A8 kernel
     return linear.act_bits, two_level, linear.group_size, linear.in_features, linear.out_features, linear.scales.dtype
