@@ -16,6 +16,8 @@ from quantkit.engine import quantize_model
 from quantkit.export import export_checkpoint, quantized_modules
 from quantkit.models import get_adapter
 from quantkit.qtensor import compute_qparams, quantize_codes
+from quantkit.quantizers.qqq_grids import Int8Weight
+from quantkit.quantizers.qqq_probe import SmoothingProbe
 from quantkit.quantizers.rtn import rtn_quantize
 from quantkit.reload import load_quantized
 
@@ -99,3 +101,18 @@ def test_bf16_export_holds_the_scales_the_method_compensated_for(method, tmp_pat
                                 for n, m in quantized_modules(model).items()]
     assert all(torch.equal(mine, exported) for mine, exported in weights["bfloat16"])
     assert not all(torch.equal(mine, exported) for mine, exported in weights["float16"])
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_qqq_smoothing_scores_on_the_served_per_channel_grid(scale_dtype: torch.dtype) -> None:
+    """QQQ's smoothing search rounds each candidate on the grid the export will hold: per channel, absmax / 7
+    rounded to the served dtype (bf16 keeps 8 significant bits, fp16 11: different codes and losses)."""
+    w = torch.randn(16, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(256, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    rounded = Int8Weight.round_to_nearest(w, -1, scale_dtype)
+    expected_scale = (w.abs().amax(dim=1) / 7).to(scale_dtype).double()
+    assert torch.equal(rounded.scales, expected_scale)
+    assert torch.equal(rounded.values.double(), torch.round(w / expected_scale[:, None]).clamp(-7, 7))
+    probe = SmoothingProbe.for_matmul([x], [w], group_size=-1, scale_dtype=scale_dtype)
+    ones = torch.ones(64, dtype=torch.float64)
+    assert probe.loss(ones) == probe.loss_with(ones, [rounded])

@@ -141,7 +141,8 @@ class QQQ(Method):
         report = {}
         for group in active_scaling_groups(ctx.layer, ctx.adapter):
             make_probe = module_probe if group.inspect else matmul_probe
-            probe = make_probe(ctx, group, self.config.group_size, self._loss_batches(ctx))
+            probe = make_probe(ctx, group, self.config.group_size, self._loss_batches(ctx),
+                               self.config.scale_torch_dtype)
             if probe.tokens == 0:  # an MoE expert no calibration token was routed to
                 log.warning("layer %d %s: QQQ smoothing skipped (no calibration tokens)", ctx.index, group.prev)
                 report[group.prev] = {"skipped": "no calibration tokens"}

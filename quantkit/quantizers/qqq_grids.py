@@ -68,12 +68,13 @@ class Int8Weight:
     scales: torch.Tensor  # [out], fp32 or wider
 
     @classmethod
-    def round_to_nearest(cls, weight: torch.Tensor, group_size: int) -> Int8Weight:
-        """Round-to-nearest on QQQ's grid: what the smoothing search scores scales with."""
+    def round_to_nearest(cls, weight: torch.Tensor, group_size: int,
+                         scale_dtype: torch.dtype = torch.float16) -> Int8Weight:
+        """Round-to-nearest on QQQ's grid (scales in the served dtype): what the smoothing search scores scales with."""
         rows, cols = weight.shape
         group = check_group_size(cols, group_size)
         w = weight.to(torch.promote_types(weight.dtype, torch.float32)).reshape(rows, cols // group, group)
-        grid = make_grid(group_size)
+        grid = make_grid(group_size, scale_dtype)
         scale, zero = grid.qparams(w)
         codes = quantize_codes(w, scale.unsqueeze(-1), zero.unsqueeze(-1), BITS).clamp_(grid.lowest, grid.highest)
         return cls._from_codes(codes, scale, zero, grid)

@@ -56,10 +56,11 @@ class SmoothingProbe:
 
     def __init__(self, inputs: list[torch.Tensor], masks: list[torch.Tensor | None],
                  weights: list[torch.Tensor], block: BlockFn, group_size: int,
-                 loss_batches: int | None = None) -> None:
-        """Channel ranges come from every batch; the loss from the first `loss_batches` (None: all)."""
+                 loss_batches: int | None = None, scale_dtype: torch.dtype = torch.float16) -> None:
+        """Channel ranges come from every batch; the loss from the first `loss_batches` (None: all); weights are
+        scored on QQQ's grid with scales in the served `scale_dtype`."""
         self.masks, self.weights = masks, weights
-        self.block, self.group_size = block, group_size
+        self.block, self.group_size, self.scale_dtype = block, group_size, scale_dtype
         real = [_real_rows(x, m) for x, m in zip(inputs, masks, strict=True)]
         self.tokens = sum(r.shape[0] for r in real[:loss_batches])
         seen = [r for r in real if r.shape[0]] or [weights[0].new_zeros(1, weights[0].shape[1])]  # MoE experts
@@ -70,9 +71,10 @@ class SmoothingProbe:
 
     @classmethod
     def for_matmul(cls, inputs: list[torch.Tensor], weights: list[torch.Tensor], group_size: int,
-                   loss_batches: int | None = None) -> SmoothingProbe:
+                   loss_batches: int | None = None, scale_dtype: torch.dtype = torch.float16) -> SmoothingProbe:
         """Inputs are real-token rows [tokens, in_features]."""
-        return cls(inputs, [None] * len(inputs), weights, MatmulBlock(weights), group_size, loss_batches)
+        return cls(inputs, [None] * len(inputs), weights, MatmulBlock(weights), group_size, loss_batches,
+                   scale_dtype)
 
     def bound(self) -> float:
         """The largest |activation|: the first threshold, at which no channel is scaled."""
@@ -80,7 +82,7 @@ class SmoothingProbe:
 
     def loss(self, scales: torch.Tensor) -> float:
         """The loss with the smoothed weights rounded to nearest (the search's loss)."""
-        return self.loss_with(scales, [Int8Weight.round_to_nearest(w * scales.to(w), self.group_size)
+        return self.loss_with(scales, [Int8Weight.round_to_nearest(w * scales.to(w), self.group_size, self.scale_dtype)
                                        for w in self.weights])
 
     def loss_with(self, scales: torch.Tensor, weights: list[Int8Weight]) -> float:
@@ -170,8 +172,8 @@ def measured_linear(adapter: ArchAdapter, group: ScalingGroup) -> str | None:
     return name
 
 
-def module_probe(ctx: LayerContext, group: ScalingGroup, group_size: int,
-                  loss_batches: int | None) -> SmoothingProbe:
+def module_probe(ctx: LayerContext, group: ScalingGroup, group_size: int, loss_batches: int | None,
+                 scale_dtype: torch.dtype = torch.float16) -> SmoothingProbe:
     """Records the inspected module's calls (inputs, rotary embeddings, masks) up to its first linear."""
     calls: list[tuple[tuple, dict]] = []
     masks: list[torch.Tensor | None] = []
@@ -190,13 +192,14 @@ def module_probe(ctx: LayerContext, group: ScalingGroup, group_size: int,
     block = ModuleBlock(ctx.module(group.inspect), None if measured is None else ctx.module(measured), linears,
                         calls, masks)
     inputs = [block.input_of(i) for i in range(len(calls))]
-    return SmoothingProbe(inputs, masks, [lin.weight.data for lin in linears], block, group_size, loss_batches)
+    return SmoothingProbe(inputs, masks, [lin.weight.data for lin in linears], block, group_size, loss_batches,
+                          scale_dtype)
 
 
-def matmul_probe(ctx: LayerContext, group: ScalingGroup, group_size: int,
-                  loss_batches: int | None) -> SmoothingProbe:
+def matmul_probe(ctx: LayerContext, group: ScalingGroup, group_size: int, loss_batches: int | None,
+                 scale_dtype: torch.dtype = torch.float16) -> SmoothingProbe:
     first = group.linears[0]
     with ctx.capture_inputs([first]) as captured:
         ctx.run_until([first])
     return SmoothingProbe.for_matmul(captured[first], [ctx.module(n).weight.data for n in group.linears],
-                                     group_size, loss_batches)
+                                     group_size, loss_batches, scale_dtype)
