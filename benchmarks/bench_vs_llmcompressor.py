@@ -1,8 +1,10 @@
 """quantkit against llm-compressor (and AutoRound) end to end: one protocol, the same calibration token ids,
 the same evaluator for every row. The results page is benchmarks/accuracy/VS_LLMCOMPRESSOR.md.
 
-One command per step; each MODEL is `smollm2` (the embedded SmolLM2-135M GGUF, W4 g64) or `gemma3`
-(models/gemma-3-270m-q4_k_m.gguf, W4 g128). llm-compressor runs in its own venv
+One command per step; each MODEL is `smollm2` (the embedded SmolLM2-135M GGUF, W4 g64), `gemma3`
+(models/gemma-3-270m-q4_k_m.gguf, W4 g128) or `outlier` (a random-weight Qwen2-family model with outlier input
+channels, W4 g128, that `prepare` builds; scored by KL divergence to its fp32 self, as its perplexity means
+nothing). llm-compressor runs in its own venv
 (scripts/setup_llmcompressor_venv.sh), without quantkit; everything else in quantkit's venv:
 
     L="env PYTHONSAFEPATH=1 /work/venv-llmc/bin/python"; Q="env PYTHONSAFEPATH=1 .venv/bin/python"
@@ -50,14 +52,21 @@ def embedded_smollm2() -> Path:
 
 @dataclass(frozen=True)
 class Protocol:
-    gguf: Callable[[], Path]
     group_size: int
+    gguf: Callable[[], Path] | None = None  # None: a random-weight model, built by prepare into WORK/MODEL/hf
 
 
 MODELS = {
-    "smollm2": Protocol(embedded_smollm2, 64),  # 576 inputs: no g128
-    "gemma3": Protocol(lambda: REPO / "models" / "gemma-3-270m-q4_k_m.gguf", 128),
+    "smollm2": Protocol(64, embedded_smollm2),  # 576 inputs: no g128
+    "gemma3": Protocol(128, lambda: REPO / "models" / "gemma-3-270m-q4_k_m.gguf"),
+    "outlier": Protocol(128),
 }
+# The random model: Qwen2-shaped (q/k/v biases), SmolLM2's tokenizer. Outlier input channels as LLMs have them
+# (LLM.int8(), SmoothQuant): the same few hidden channels OUTLIER_GAIN times larger after every RMSNorm, so each
+# attention and MLP input carries them.
+OUTLIER_MODEL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                     num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096)
+OUTLIER_CHANNELS, OUTLIER_GAIN = 8, 30.0
 
 # quantkit's rows: GPTQ with act-order (static groups, llm-compressor's default too), AWQ asymmetric (the
 # scheme of llm-compressor's AWQ), QQQ W4A8 with its own required act-order, awq-gptq with its defaults.
@@ -74,18 +83,42 @@ def work_dir(args: argparse.Namespace) -> Path:
     return Path(args.work) / args.model
 
 
+def model_source(args: argparse.Namespace) -> Path:
+    """The fp32 model every row starts from: the GGUF, or the random model's folder."""
+    gguf = MODELS[args.model].gguf
+    return work_dir(args) / "hf" if gguf is None else gguf()
+
+
+def build_outlier_model(vocab_size: int) -> nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=vocab_size, **OUTLIER_MODEL))
+    channels = torch.randperm(OUTLIER_MODEL["hidden_size"])[:OUTLIER_CHANNELS]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[channels] *= OUTLIER_GAIN
+    return model
+
+
 def load_calibration(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     """input_ids and attention_mask, long [nsamples, seqlen]: what prepare saved."""
     return torch.load(work_dir(args) / "calib.pt")
 
 
 def prepare(args: argparse.Namespace) -> None:
-    """The calibration token ids every tool gets, and the GGUF's weights as a safetensors folder."""
+    """The calibration token ids every tool gets, and the GGUF's weights (or the random model) as a safetensors
+    folder."""
     from quantkit.data import build_calibration_set, load_passages
-    from quantkit.models.loading import load_model
+    from quantkit.models.loading import load_model, load_tokenizer
 
     out = work_dir(args)
-    model, tokenizer = load_model(MODELS[args.model].gguf())
+    if MODELS[args.model].gguf is None:
+        tokenizer = load_tokenizer(str(embedded_smollm2()))
+        model = build_outlier_model(len(tokenizer))
+    else:
+        model, tokenizer = load_model(MODELS[args.model].gguf())
     calib = build_calibration_set(tokenizer, load_passages(None), args.nsamples, args.seqlen, seed=0)
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"input_ids": calib.input_ids, "attention_mask": calib.attention_mask}, out / "calib.pt")
@@ -95,13 +128,20 @@ def prepare(args: argparse.Namespace) -> None:
     print(f"{len(calib)} x {args.seqlen} calibration tokens ({calib.n_tokens} real) and the HF copy in {out}")
 
 
-def heldout_nll(model: nn.Module, tokenizer, windows: int) -> dict[str, dict]:
+def heldout_scores(model: nn.Module, tokenizer, windows: int, reference: nn.Module | None) -> dict[str, dict]:
+    """Perplexity and mean NLL per held-out text; with a reference (the fp32 model), the mean KL divergence of
+    the model's next-token distributions from its."""
     from quantkit.data import default_heldout_texts, load_text
-    from quantkit.eval.perplexity import perplexity
+    from quantkit.eval.perplexity import kl_divergence, perplexity
 
-    texts = {name: load_text(path) for name, path in default_heldout_texts().items()}
-    scores = {name: perplexity(model, tokenizer, text, 512, max_windows=windows) for name, text in texts.items()}
-    return {name: {"ppl": s["ppl"], "nll": s["nll"], "tokens": s["tokens"]} for name, s in scores.items()}
+    scores = {}
+    for name, path in default_heldout_texts().items():
+        text = load_text(path)
+        measured = perplexity(model, tokenizer, text, 512, max_windows=windows)
+        scores[name] = {key: measured[key] for key in ("ppl", "nll", "tokens")}
+        if reference is not None:
+            scores[name]["kl"] = kl_divergence(model, reference, tokenizer, text, 512, max_windows=windows)["kl"]
+    return scores
 
 
 def commit() -> str:
@@ -152,7 +192,7 @@ def quantize_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
     cache = work_dir(args) / f"quantkit-{name}.pt"
     if cache.exists() and (cached := torch.load(cache, weights_only=False))["key"] == key:
         return cached["model"], cached["entry"]
-    model = load_model(MODELS[args.model].gguf())[0]
+    model = load_model(model_source(args))[0]
     start = time.perf_counter()
     quantize_model(model, get_adapter(model), CalibrationSet(**load_calibration(args)), config, device="cpu",
                    show_progress=False)
@@ -162,7 +202,8 @@ def quantize_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
 
 
 def load_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
-    """fp: the GGUF; fp-hf: the safetensors copy llm-compressor starts from; llmc-TOOL: its export, read by
+    """fp: the GGUF (the random model); fp-hf: the safetensors copy llm-compressor starts from; llmc-TOOL: its
+    export, read by
     quantkit's compressed-tensors loader; else quantkit's row, quantized now."""
     from quantkit.models.loading import load_model
     from quantkit.reload import load_quantized
@@ -170,7 +211,7 @@ def load_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
     if name in QUANTKIT_ROWS:
         return quantize_row(args, name)
     if name == "fp":
-        return load_model(MODELS[args.model].gguf())[0], {}
+        return load_model(model_source(args))[0], {}
     if name == "fp-hf":
         return load_model(work_dir(args) / "hf")[0], {}
     folder = work_dir(args) / name
@@ -198,14 +239,16 @@ def task_scores(model: nn.Module, tokenizer, args: argparse.Namespace) -> dict[s
 
 
 def score(args: argparse.Namespace) -> None:
-    """Held-out NLL (and, with --tasks, task accuracy) of each row, every model in fp32 on the CPU."""
-    from quantkit.models.loading import load_tokenizer
+    """Held-out NLL (the random model: and KL divergence to fp32; with --tasks, task accuracy) of each row, every
+    model in fp32 on the CPU."""
+    from quantkit.models.loading import load_model, load_tokenizer
 
-    tokenizer = load_tokenizer(str(MODELS[args.model].gguf()))
+    tokenizer = load_tokenizer(str(model_source(args)))
+    reference = load_model(model_source(args))[0] if MODELS[args.model].gguf is None else None
     for name in args.rows:
         model, entry = load_row(args, name)
         if args.ppl:
-            entry["heldout"] = heldout_nll(model, tokenizer, args.windows)
+            entry["heldout"] = heldout_scores(model, tokenizer, args.windows, reference)
         if args.tasks:
             entry["tasks"] = task_scores(model, tokenizer, args)
         record(args, name, entry)
@@ -262,11 +305,13 @@ ROW_LABELS = {"fp": "fp32 (the GGUF, dequantized)", "fp-hf": "fp32 (its safetens
 def tables(args: argparse.Namespace) -> None:
     """The results page's tables, from the model's JSON: held-out perplexity (NLL) and task accuracy."""
     rows = json.loads((RESULTS / f"vs_llmcompressor_{args.model}.json").read_text())["rows"]
-    label = {name: ROW_LABELS.get(name, f"quantkit {name}") for name in rows}
+    kl = MODELS[args.model].gguf is None
+    label = {name: ROW_LABELS.get(name, f"quantkit {name}") for name in rows} | ({"fp": "fp32"} if kl else {})
     scored = [name for name in rows if "heldout" in rows[name]]
-    print("| row | scheme | English ppl (NLL) | Korean ppl (NLL) | quantize s |\n| --- | --- | --- | --- | --- |")
+    print(f"| row | scheme | English {'KL' if kl else 'ppl (NLL)'} | Korean {'KL' if kl else 'ppl (NLL)'} | quantize s |"
+          "\n| --- | --- | --- | --- | --- |")
     for name in scored:
-        cells = [f"{v['ppl']:.3f} ({v['nll']:.4f})" for v in rows[name]["heldout"].values()]
+        cells = [f"{v['kl']:.5f}" if kl else f"{v['ppl']:.3f} ({v['nll']:.4f})" for v in rows[name]["heldout"].values()]
         print(f"| {label[name]} | {rows[name].get('scheme', '')} | {' | '.join(cells)} | "
               f"{rows[name].get('quantize_s', '')} |")
     with_tasks = [name for name in rows if "tasks" in rows[name]]
