@@ -69,11 +69,13 @@ OUTLIER_MODEL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=
 OUTLIER_CHANNELS, OUTLIER_GAIN = 8, 30.0
 
 # quantkit's rows: GPTQ with act-order (static groups, llm-compressor's default too), AWQ asymmetric (the
-# scheme of llm-compressor's AWQ), QQQ W4A8 with its own required act-order, awq-gptq with its defaults.
+# scheme of llm-compressor's AWQ; and one factor at a time towards its recipe), QQQ W4A8 with its own required act-order, awq-gptq with its defaults.
 QUANTKIT_ROWS = {
     "rtn": {"method": "rtn"},
     "gptq": {"method": "gptq", "act_order": True},
     "awq": {"method": "awq", "sym": False},
+    "awq-noclip": {"method": "awq", "sym": False, "clip": False},  # without AutoAWQ's clip search, as llm-compressor
+    "awq-duo": {"method": "awq", "sym": False, "duo_scaling": True},  # llm-compressor's duo scaling, with the clip
     "qqq": {"method": "qqq", "act_bits": 8, "act_order": True},
     "awq-gptq": {"method": "awq-gptq"},
 }
