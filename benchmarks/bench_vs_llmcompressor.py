@@ -134,15 +134,12 @@ def heldout_scores(model: nn.Module, tokenizer, windows: int, reference: nn.Modu
     """Perplexity and mean NLL per held-out text; with a reference (the fp32 model), the mean KL divergence of
     the model's next-token distributions from its."""
     from quantkit.data import default_heldout_texts, load_text
-    from quantkit.eval.perplexity import kl_divergence, perplexity
+    from quantkit.eval.perplexity import perplexity
 
     scores = {}
     for name, path in default_heldout_texts().items():
-        text = load_text(path)
-        measured = perplexity(model, tokenizer, text, 512, max_windows=windows)
-        scores[name] = {key: measured[key] for key in ("ppl", "nll", "tokens")}
-        if reference is not None:
-            scores[name]["kl"] = kl_divergence(model, reference, tokenizer, text, 512, max_windows=windows)["kl"]
+        measured = perplexity(model, tokenizer, load_text(path), 512, max_windows=windows, reference=reference)
+        scores[name] = {key: measured[key] for key in ("ppl", "nll", "tokens", "kl") if key in measured}
     return scores
 
 

@@ -11,7 +11,7 @@ from test_adapters import tiny_model
 from torch import nn
 
 import quantkit.eval.perplexity as ppl_module
-from quantkit.eval.perplexity import kl_divergence, perplexity
+from quantkit.eval.perplexity import perplexity
 
 
 class FixedTokenizer:
@@ -56,15 +56,14 @@ def test_perplexity_and_kl_are_the_brute_force_float64_means(bos: int | None) ->
     nll = -logp.gather(-1, targets[..., None]).mean().item()
     kl = (reference.exp() * (reference - logp)).sum(-1).mean().item()
 
-    measured = perplexity(other, tokenizer, "", seqlen=16, max_windows=3, batch_size=2)
-    assert measured["tokens"] == targets.numel() and measured["windows"] == 3
-    assert measured["nll"] == pytest.approx(nll, rel=1e-5) and measured["ppl"] == pytest.approx(math.exp(nll))
-    divergence = kl_divergence(other, model, tokenizer, "", seqlen=16, max_windows=3, batch_size=2)
-    assert divergence["tokens"] == targets.numel() and divergence["kl"] == pytest.approx(kl, rel=1e-4)
-    assert kl > 1e-3
-    assert kl_divergence(model, model, tokenizer, "", seqlen=16, max_windows=3)["kl"] == pytest.approx(0, abs=1e-6)
+    alone = perplexity(other, tokenizer, "", seqlen=16, max_windows=3, batch_size=2)
+    assert alone["tokens"] == targets.numel() and alone["windows"] == 3 and "kl" not in alone
+    assert alone["nll"] == pytest.approx(nll, rel=1e-5) and alone["ppl"] == pytest.approx(math.exp(nll))
+    measured = perplexity(other, tokenizer, "", seqlen=16, max_windows=3, batch_size=2, reference=model)
+    assert measured["nll"] == alone["nll"] and measured["kl"] == pytest.approx(kl, rel=1e-4) and kl > 1e-3
+    assert perplexity(model, tokenizer, "", 16, 3, reference=model)["kl"] == pytest.approx(0, abs=1e-6)
 
 
 def test_a_text_shorter_than_a_window_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match="fewer than one window of 16"):
-        kl_divergence(tiny_model("llama"), tiny_model("llama"), FixedTokenizer(torch.arange(10), None), "", 16)
+        perplexity(tiny_model("llama"), FixedTokenizer(torch.arange(10), None), "", 16)
