@@ -270,6 +270,15 @@ def llmc_recipe(tool: str, group_size: int, iters: int) -> list:
     return [AutoRoundModifier(config_groups=groups, ignore=["lm_head"], iters=iters, enable_torch_compile=False)]
 
 
+AUTOROUND_PAGE_ITERS = 20  # the page's first AutoRound rows: a tenth of its default 200, for CPU time
+
+
+def llmc_row(tool: str, iters: int) -> str:
+    """The row (and export folder) name of an llm-compressor run: AutoRound at other than 20 iterations says how
+    many."""
+    return f"llmc-autoround-{iters}" if tool == "autoround" and iters != AUTOROUND_PAGE_ITERS else f"llmc-{tool}"
+
+
 def run_llmc(args: argparse.Namespace) -> None:
     """llm-compressor's oneshot on the HF copy with the saved ids; its compressed-tensors export per tool."""
     from datasets import Dataset
@@ -289,7 +298,7 @@ def run_llmc(args: argparse.Namespace) -> None:
                 recipe=llmc_recipe(tool, MODELS[args.model].group_size, args.iters),
                 num_calibration_samples=len(dataset), max_seq_length=calib["input_ids"].shape[1],
                 shuffle_calibration_samples=False)
-        out = work_dir(args) / f"llmc-{tool}"
+        out = work_dir(args) / llmc_row(tool, args.iters)
         model.save_pretrained(out, save_compressed=True)
         AutoTokenizer.from_pretrained(hf).save_pretrained(out)
         (out / "quantize_s.txt").write_text(f"{time.perf_counter() - start:.0f}\n")
@@ -298,7 +307,8 @@ def run_llmc(args: argparse.Namespace) -> None:
 
 ROW_LABELS = {"fp": "fp32 (the GGUF, dequantized)", "fp-hf": "fp32 (its safetensors copy, llm-compressor's input)",
               "llmc-gptq": "llm-compressor GPTQ", "llmc-awq": "llm-compressor AWQ",
-              "llmc-autoround": "AutoRound (via llm-compressor)"}
+              "llmc-autoround": f"AutoRound, {AUTOROUND_PAGE_ITERS} iterations (via llm-compressor)",
+              "llmc-autoround-200": "AutoRound, 200 iterations (via llm-compressor)"}
 
 
 def tables(args: argparse.Namespace) -> None:
@@ -335,7 +345,7 @@ def main() -> None:
     parser.add_argument("--ppl", action=argparse.BooleanOptionalAction, default=True, help="score held-out NLL")
     parser.add_argument("--tasks", default=None, help="comma-separated tasks, zero-shot (e.g. arc_easy,piqa)")
     parser.add_argument("--limit", type=int, default=200, help="items per task")
-    parser.add_argument("--iters", type=int, default=20, help="AutoRound's iterations per block")
+    parser.add_argument("--iters", type=int, default=AUTOROUND_PAGE_ITERS, help="AutoRound's iterations per block")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
