@@ -27,15 +27,13 @@ from transformers import AutoModelForCausalLM
 from quantkit.config import QuantConfig
 from quantkit.export import export_checkpoint
 from quantkit.quantizers.awq import AWQOptions
-from quantkit.quantizers.gptq import GPTQOptions
 from quantkit.quantizers.qqq import QQQOptions
 from quantkit.reload import load_quantized
 
 
 def w4(method: str, group: int, act_bits: int = 16) -> QuantConfig:
-    """RTN, or GPTQ with act-order (static groups, the CLI's default): W4A8 and W4A16 share these weights."""
-    options = GPTQOptions(act_order=True) if method == "gptq" else None
-    return QuantConfig(method=method, group_size=group, act_bits=act_bits, options=options)
+    """RTN, or GPTQ (act-order with static groups, its default): W4A8 and W4A16 share these weights."""
+    return QuantConfig(method=method, group_size=group, act_bits=act_bits)
 
 
 def w4a16_and_w4a8(model, calib, recorder: NLLRecorder, group: int) -> dict:
