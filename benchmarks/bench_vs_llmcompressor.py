@@ -308,12 +308,16 @@ def run_llmc(args: argparse.Namespace) -> None:
 ROW_LABELS = {"fp": "fp32 (the GGUF, dequantized)", "fp-hf": "fp32 (its safetensors copy, llm-compressor's input)",
               "llmc-gptq": "llm-compressor GPTQ", "llmc-awq": "llm-compressor AWQ",
               "llmc-autoround": f"AutoRound, {AUTOROUND_PAGE_ITERS} iterations (via llm-compressor)",
-              "llmc-autoround-200": "AutoRound, 200 iterations (via llm-compressor)"}
+              "llmc-autoround-200": "AutoRound, 200 iterations (via llm-compressor)",
+              "awq-noclip": "quantkit awq without its clip search", "awq-duo": "quantkit awq with duo scaling"}
+ROW_ORDER = ["fp", "fp-hf", "rtn", "gptq", "llmc-gptq", "awq", "awq-noclip", "awq-duo", "llmc-awq", "qqq", "awq-gptq",
+             "llmc-autoround", "llmc-autoround-200"]  # the tables' order; rows not named here come last
 
 
 def tables(args: argparse.Namespace) -> None:
     """The results page's tables, from the model's JSON: held-out perplexity (NLL) and task accuracy."""
     rows = json.loads((RESULTS / f"vs_llmcompressor_{args.model}.json").read_text())["rows"]
+    rows = dict(sorted(rows.items(), key=lambda item: ROW_ORDER.index(item[0]) if item[0] in ROW_ORDER else 99))
     kl = MODELS[args.model].gguf is None
     label = {name: ROW_LABELS.get(name, f"quantkit {name}") for name in rows} | ({"fp": "fp32"} if kl else {})
     scored = [name for name in rows if "heldout" in rows[name]]
