@@ -270,7 +270,7 @@ def test_duo_scaling_reports_plain_rtn_loss() -> None:
     ctx = layer_context(outlier_model("llama"), random_calibration())
     group = active_scaling_groups(ctx.layer, ctx.adapter)[0]
     config = QuantConfig(method="awq", group_size=32)
-    plain = search_scales(ctx, group, config)
-    duo = search_scales(ctx, group, replace(config, options=AWQOptions(duo_scaling=True)))
+    duo = search_scales(ctx, group, config)  # AWQ's default
+    plain = search_scales(ctx, group, replace(config, options=AWQOptions(duo_scaling=False)))
     assert duo.rtn_loss == plain.rtn_loss == plain.losses[0]  # ratio 0 of the plain grid is s = 1
     assert duo.losses != plain.losses

@@ -22,7 +22,7 @@ from quantkit.export import export_checkpoint, quantized_modules
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError, compute_qparams, fake_quantize
-from quantkit.quantizers.awq import search_scales
+from quantkit.quantizers.awq import AWQOptions, search_scales
 from quantkit.quantizers.awq_gptq import (
     POST_NORMS,
     SHRINK_STEP,
@@ -112,7 +112,8 @@ def test_gptq_trial_is_gptq_of_the_folded_linear() -> None:
 def test_smoothing_is_awqs_and_clipping_is_optional() -> None:
     """Layer 0 sees the same inputs under AWQ and awq-gptq scoring by RTN: its folded norms are AWQ's, to the bit."""
     original, calib = outlier_model("llama"), random_calibration()
-    awq, _ = quantized(original, calib, QuantConfig(method="awq", group_size=32))
+    awq, _ = quantized(original, calib, QuantConfig(method="awq", group_size=32,
+                                                    options=AWQOptions(duo_scaling=False)))  # awq-gptq's scales
     unclipped = QuantConfig(method="awq-gptq", group_size=32, options=AWQGPTQOptions(grid=20, scale_score="rtn"))
     ours, report = quantized(original, calib, unclipped)
     for norm in ("input_layernorm", "post_attention_layernorm"):

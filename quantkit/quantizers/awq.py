@@ -70,8 +70,8 @@ class AWQOptions(RTNOptions):
 
     grid: int = option(20, "scale ratios searched (0, 1/grid, ...)", flag="--awq-grid", legacy="awq_grid",
                        minimum=1)
-    duo_scaling: bool = option(False, "s = mean|x|^r / mean|w|^(1-r)", flag="--duo-scaling",
-                               legacy="awq_duo_scaling")
+    duo_scaling: bool = option(True, "s = mean|x|^r / mean|w|^(1-r) (off: mean|x|^r)",
+                               flag="--duo-scaling/--no-duo-scaling", legacy="awq_duo_scaling")
     clip: bool = option(True, "search clipping ranges", flag="--clip/--no-clip", legacy="awq_clip")
     search_tokens: int = option(SEARCH_TOKENS, "calibration tokens each scale candidate is scored on (whole "
                                 "batches, at least one; 0: all)", flag="--awq-search-tokens", minimum=0)

@@ -53,11 +53,15 @@ POST_NORMS = {"self_attn": "post_attention_layernorm", "mlp": "post_feedforward_
 
 @dataclass(frozen=True)
 class AWQGPTQOptions(GPTQOptions, AWQOptions):
-    """GPTQ's options (act-order on, as GPTQ's) and AWQ's scale search's. grid, clip and damp_percent default to
-    the measured setting (5 ratios, AWQ's clipping off, 5% dampening: GPTQModel's default; on the searched grids
-    it beat 1% on SmolLM2 and Gemma-3, where GPTQ's own min-max grids do not gain from it)."""
+    """GPTQ's options (act-order on, as GPTQ's) and AWQ's scale search's. grid, clip, damp_percent and duo_scaling
+    default to the measured setting (5 ratios, AWQ's clipping off, 5% dampening: GPTQModel's default; on the
+    searched grids it beat 1% on SmolLM2 and Gemma-3, where GPTQ's own min-max grids do not gain from it;
+    activation-only scales: with duo scaling, AWQ's default, awq-gptq's Gemma-3 gain over GPTQ was gone in
+    English and halved in Korean)."""
 
     damp_percent: float = option(0.05, "relative dampening", flag="--damp")
+    duo_scaling: bool = option(False, "s = mean|x|^r / mean|w|^(1-r) (off: mean|x|^r)",
+                               flag="--duo-scaling/--no-duo-scaling", legacy="awq_duo_scaling")
     grid: int = option(5, "scale ratios searched (0, 1/grid, ...)", flag="--awq-grid", legacy="awq_grid", minimum=1)
     clip: bool = option(False, "search clipping ranges", flag="--clip/--no-clip", legacy="awq_clip")
     scale_score: str = option("rtn", "score AWQ's candidate scales by the output error after RTN or GPTQ",
