@@ -73,9 +73,9 @@ OUTLIER_CHANNELS, OUTLIER_GAIN = 8, 30.0
 QUANTKIT_ROWS = {
     "rtn": {"method": "rtn"},
     "gptq": {"method": "gptq", "act_order": True},
-    "awq": {"method": "awq", "sym": False},
-    "awq-noclip": {"method": "awq", "sym": False, "clip": False},  # without AutoAWQ's clip search, as llm-compressor
-    "awq-duo": {"method": "awq", "sym": False, "duo_scaling": True},  # llm-compressor's duo scaling, with the clip
+    "awq": {"method": "awq", "sym": False},  # duo scaling and the clip search
+    "awq-noduo": {"method": "awq", "sym": False, "duo_scaling": False},  # activation-only scales
+    "awq-noduo-noclip": {"method": "awq", "sym": False, "duo_scaling": False, "clip": False},
     "qqq": {"method": "qqq", "act_bits": 8, "act_order": True},
     "awq-gptq": {"method": "awq-gptq"},
 }
@@ -309,9 +309,10 @@ ROW_LABELS = {"fp": "fp32 (the GGUF, dequantized)", "fp-hf": "fp32 (its safetens
               "llmc-gptq": "llm-compressor GPTQ", "llmc-awq": "llm-compressor AWQ",
               "llmc-autoround": f"AutoRound, {AUTOROUND_PAGE_ITERS} iterations (via llm-compressor)",
               "llmc-autoround-200": "AutoRound, 200 iterations (via llm-compressor)",
-              "awq-noclip": "quantkit awq without its clip search", "awq-duo": "quantkit awq with duo scaling"}
-ROW_ORDER = ["fp", "fp-hf", "rtn", "gptq", "llmc-gptq", "awq", "awq-noclip", "awq-duo", "llmc-awq", "qqq", "awq-gptq",
-             "llmc-autoround", "llmc-autoround-200"]  # the tables' order; rows not named here come last
+              "awq-noduo": "quantkit awq, activation-only scales",
+              "awq-noduo-noclip": "quantkit awq, activation-only scales, no clip search"}
+ROW_ORDER = ["fp", "fp-hf", "rtn", "gptq", "llmc-gptq", "awq", "awq-noduo", "awq-noduo-noclip", "llmc-awq", "qqq",
+             "awq-gptq", "llmc-autoround", "llmc-autoround-200"]  # the tables' order; rows not named here come last
 
 
 def tables(args: argparse.Namespace) -> None:

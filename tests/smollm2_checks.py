@@ -69,9 +69,9 @@ def check_gptq_increase_is_bounded(results: dict, group: int, bound: float) -> N
     for text in fp:
         assert gptq[text] - fp[text] < torch.log1p(torch.tensor(bound)).item(), (text, fp[text], gptq[text])
 
-# AWQ's default scheme (asymmetric, here groups of 64), scale search over 5 ratios instead of 20 (a quarter of
-# the scale search's block evaluations): mean NLL 2.276 (one thread, 2026-12-05) vs 2.284 with 10 and 2.289 with
-# 20 (RTN 2.385; benchmarks/accuracy/RESULTS.md).
+# AWQ's defaults (asymmetric, duo scaling, clip search; here groups of 64), scale search over 5 ratios instead of
+# 20 (a quarter of the scale search's block evaluations): mean NLL 2.292 (one thread, 2026-12-06; 2.276 with
+# activation-only scales, which lose at 20 ratios on 8 windows: benchmarks/accuracy/VS_LLMCOMPRESSOR.md), RTN 2.385.
 AWQ = QuantConfig(method="awq", group_size=64, sym=False, options=AWQOptions(grid=5))
 
 
