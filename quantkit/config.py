@@ -4,7 +4,8 @@ the export.
 A method declares its options as a frozen MethodOptions dataclass whose fields are made with option(): the
 default, the help text and CLI flag (`quantkit quantize` builds its flags from these), the name the field had
 in the flat quant_config of older exports, and the checks a value must pass. Options shared by several methods
-are inherited (QQQ's options are GPTQ's plus its own), never declared twice.
+are inherited (QQQ's options are GPTQ's plus its own), never declared twice; a method that only wants another
+default re-declares the field with redefault() (awq-gptq's 5 AWQ ratios).
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ def option(default: Any, help: str, **spec: Any) -> Any:
 
 def option_spec(f: Field) -> OptionSpec:
     return f.metadata[_SPEC]
+
+
+def redefault(owner: type, name: str, default: Any) -> Any:
+    """A subclass's option that differs from `owner`'s only in its default: the same help, flag and checks."""
+    spec = option_spec(next(f for f in fields(owner) if f.name == name))
+    return field(default=default, metadata={_SPEC: spec})
 
 
 @dataclass(frozen=True)

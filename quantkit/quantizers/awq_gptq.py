@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from quantkit.config import QuantConfig, option
+from quantkit.config import QuantConfig, option, redefault
 from quantkit.models.adapters import ScalingGroup
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.awq import AWQ, AWQOptions, ScaleSearch, TrialWeight
@@ -59,11 +59,10 @@ class AWQGPTQOptions(GPTQOptions, AWQOptions):
     activation-only scales: with duo scaling, AWQ's default, awq-gptq's Gemma-3 gain over GPTQ was gone in
     English and halved in Korean)."""
 
-    damp_percent: float = option(0.05, "relative dampening", flag="--damp")
-    duo_scaling: bool = option(False, "s = mean|x|^r / mean|w|^(1-r) (off: mean|x|^r)",
-                               flag="--duo-scaling/--no-duo-scaling", legacy="awq_duo_scaling")
-    grid: int = option(5, "scale ratios searched (0, 1/grid, ...)", flag="--awq-grid", legacy="awq_grid", minimum=1)
-    clip: bool = option(False, "search clipping ranges", flag="--clip/--no-clip", legacy="awq_clip")
+    damp_percent: float = redefault(GPTQOptions, "damp_percent", 0.05)
+    duo_scaling: bool = redefault(AWQOptions, "duo_scaling", False)
+    grid: int = redefault(AWQOptions, "grid", 5)
+    clip: bool = redefault(AWQOptions, "clip", False)
     scale_score: str = option("rtn", "score AWQ's candidate scales by the output error after RTN or GPTQ",
                               choices=("rtn", "gptq"))
     range_steps: int = option(16, "group ranges searched by diag(H)-weighted error (1: min-max)",
