@@ -69,7 +69,8 @@ OUTLIER_MODEL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=
 OUTLIER_CHANNELS, OUTLIER_GAIN = 8, 30.0
 
 # quantkit's rows: GPTQ with act-order (static groups, llm-compressor's default too), AWQ asymmetric (the
-# scheme of llm-compressor's AWQ; and one factor at a time towards its recipe), QQQ W4A8 with its own required act-order, awq-gptq with its defaults.
+# scheme of llm-compressor's AWQ; with its defaults, and without duo scaling, then also without the clip search),
+# QQQ W4A8 with its own required act-order, awq-gptq with its defaults.
 QUANTKIT_ROWS = {
     "rtn": {"method": "rtn"},
     "gptq": {"method": "gptq", "act_order": True},
@@ -202,8 +203,7 @@ def quantize_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
 
 def load_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
     """fp: the GGUF (the random model); fp-hf: the safetensors copy llm-compressor starts from; llmc-TOOL: its
-    export, read by
-    quantkit's compressed-tensors loader; else quantkit's row, quantized now."""
+    export, read by quantkit's compressed-tensors loader; else quantkit's row, quantized now."""
     from quantkit.models.loading import load_model
     from quantkit.reload import load_quantized
 
