@@ -62,6 +62,7 @@ def logits_error(model, reference: torch.Tensor, ids: torch.Tensor) -> float:
 def test_defaults_are_act_order_and_awqs() -> None:
     options = AWQGPTQOptions()
     assert options.act_order and not options.clip and options.grid == 5
+    assert options.damp_percent == 0.05 and not options.duo_scaling and AWQOptions().duo_scaling
     assert options.scale_score == "rtn" and options.range_steps == 16
     with pytest.raises(QuantizationError, match="range_steps must be at most 40"):
         AWQGPTQOptions(range_steps=41)
