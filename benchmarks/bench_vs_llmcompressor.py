@@ -73,10 +73,12 @@ OUTLIER_CHANNELS, OUTLIER_GAIN = 8, 30.0
 # QQQ W4A8 with its own required act-order, awq-gptq with its defaults.
 QUANTKIT_ROWS = {
     "rtn": {"method": "rtn"},
+    "rtn-asym": {"method": "rtn", "sym": False},  # the baseline of the asymmetric AWQ rows
     "gptq": {"method": "gptq", "act_order": True},
     "awq": {"method": "awq", "sym": False},  # duo scaling and the clip search
     "awq-noduo": {"method": "awq", "sym": False, "duo_scaling": False},  # activation-only scales
     "awq-noduo-noclip": {"method": "awq", "sym": False, "duo_scaling": False, "clip": False},
+    "awq-sym": {"method": "awq"},  # AWQ's defaults, symmetric: against symmetric RTN
     "qqq": {"method": "qqq", "act_bits": 8, "act_order": True},
     "awq-gptq": {"method": "awq-gptq"},
 }
@@ -194,9 +196,11 @@ def quantize_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
         return cached["model"], cached["entry"]
     model = load_model(model_source(args))[0]
     start = time.perf_counter()
-    quantize_model(model, get_adapter(model), CalibrationSet(**load_calibration(args)), config, device="cpu",
-                   show_progress=False)
-    entry = {"scheme": config.label(), "quantize_s": round(time.perf_counter() - start)}
+    report = quantize_model(model, get_adapter(model), CalibrationSet(**load_calibration(args)), config,
+                            device="cpu", show_progress=False)
+    entry = {"scheme": config.label(), "quantize_s": round(time.perf_counter() - start),
+             "rtn_fallback_layers": [layer["layer"] for layer in report.layers
+                                     if layer.get("guard", {}).get("fallback")]}
     torch.save({"key": key, "model": model, "entry": entry}, cache)
     return model, entry
 
@@ -263,6 +267,8 @@ def llmc_recipe(tool: str, group_size: int, iters: int) -> list:
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=tool != "awq", strategy="group",
                                group_size=group_size)
     groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
+    if tool == "rtn":  # min-max round to nearest, as its W4A16 preset
+        return [QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
     if tool == "gptq":  # actorder left to GPTQModifier's default: static
         return [GPTQModifier(config_groups=groups, ignore=["lm_head"])]
     if tool == "awq":  # the model's own mappings (AWQ_MAPPING_REGISTRY), default duo-scaling and grid
@@ -306,12 +312,14 @@ def run_llmc(args: argparse.Namespace) -> None:
 
 
 ROW_LABELS = {"fp": "fp32 (the GGUF, dequantized)", "fp-hf": "fp32 (its safetensors copy, llm-compressor's input)",
-              "llmc-gptq": "llm-compressor GPTQ", "llmc-awq": "llm-compressor AWQ",
+              "llmc-rtn": "llm-compressor RTN", "llmc-gptq": "llm-compressor GPTQ", "llmc-awq": "llm-compressor AWQ",
+              "rtn-asym": "quantkit rtn, asymmetric", "awq-sym": "quantkit awq, symmetric",
               "llmc-autoround": f"AutoRound, {AUTOROUND_PAGE_ITERS} iterations (via llm-compressor)",
               "llmc-autoround-200": "AutoRound, 200 iterations (via llm-compressor)",
               "awq-noduo": "quantkit awq, activation-only scales",
               "awq-noduo-noclip": "quantkit awq, activation-only scales, no clip search"}
-ROW_ORDER = ["fp", "fp-hf", "rtn", "gptq", "llmc-gptq", "awq", "awq-noduo", "awq-noduo-noclip", "llmc-awq", "qqq",
+ROW_ORDER = ["fp", "fp-hf", "rtn", "llmc-rtn", "rtn-asym", "gptq", "llmc-gptq", "awq-sym", "awq", "awq-noduo",
+             "awq-noduo-noclip", "llmc-awq", "qqq",
              "awq-gptq", "llmc-autoround", "llmc-autoround-200"]  # the tables' order; rows not named here come last
 
 

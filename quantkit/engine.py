@@ -27,6 +27,7 @@ from torch import nn
 
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
+from quantkit.layer_guard import guard_layer, snapshot
 from quantkit.models.adapters import ArchAdapter
 from quantkit.models.moe import (
     attach_calibration,
@@ -256,6 +257,7 @@ def quantize_model(
     store = open_store(inputs, layers, device, offload_dir)
     inputs = store.hold(inputs)
     layer_source = layer_source or _ResidentLayers()
+    guarded = method.needs_calibration and method.rtn_guard
     layers_start = time.perf_counter()
     progress = Progress(TextColumn("[bold]quantizing {task.fields[method]}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("{task.fields[note]}"), disable=not show_progress)
@@ -270,13 +272,21 @@ def quantize_model(
                 layer.to(device)
             ctx = LayerContext(i, layer, adapter, inputs, _move(layer_kwargs[i], device), masks, device)
             attach_calibration(layer, adapter, ctx, config.moe_all_tokens)
+            original = snapshot(layer) if guarded else None
             with timer("smooth"):
                 entry: dict = {"layer": i, "smoothing": method.smooth_layer(ctx), "linears": {}}
             results: dict[str, QuantizedWeight] = {}
             for step in adapter.sequential:
                 results.update(_quantize_step(ctx, method, [n for n in step if _has(layer, n)], timer))
-            with timer("forward (layer outputs)"), count_routed_tokens(layer, adapter) as expert_tokens:
-                outputs = ctx.forward(store.empty())
+            outputs, expert_tokens = _layer_outputs(ctx, store, timer)
+            if original is not None:
+                with timer("guard"):
+                    entry["guard"], fallback = guard_layer(ctx, original, results, outputs, config)
+                del original
+                if fallback is not None:
+                    results = fallback
+                    outputs.release()
+                    outputs, expert_tokens = _layer_outputs(ctx, store, timer)
             inputs.release()
             inputs = outputs
             if expert_tokens:
@@ -301,6 +311,13 @@ def quantize_model(
     model.config.use_cache = True
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _layer_outputs(ctx: LayerContext, store, timer: _PhaseTimer) -> tuple[list[torch.Tensor], dict]:
+    """The layer's outputs per batch (the next layer's inputs) and the tokens its router sent each expert."""
+    with timer("forward (layer outputs)"), count_routed_tokens(ctx.layer, ctx.adapter) as expert_tokens:
+        outputs = ctx.forward(store.empty())
+    return outputs, expert_tokens
 
 
 def _swap_in_quantlinears(layer: nn.Module, results: dict[str, QuantizedWeight], act_bits: int,

@@ -21,6 +21,7 @@ from quantkit.quantizers.awq import (
     AWQOptions,
     scored_batch_count,
     search_clip,
+    search_order,
     search_scales,
 )
 from quantkit.quantizers.base import get_method
@@ -130,15 +131,62 @@ def brute_force_losses(layer: nn.Module, ctx: LayerContext, group, config: Quant
 @pytest.mark.parametrize("duo", [False, True])
 def test_chosen_scale_minimises_the_loss_over_the_grid(kind: str, duo: bool) -> None:
     model = outlier_model(kind, torch.float64)
-    config = QuantConfig(method="awq", group_size=32, sym=duo, options=AWQOptions(duo_scaling=duo))
+    config = QuantConfig(method="awq", group_size=32, sym=duo, options=AWQOptions(duo_scaling=duo, search="grid"))
     ctx = layer_context(model, random_calibration(pad_from={0: 7}), index=1)
     for group in active_scaling_groups(ctx.layer, ctx.adapter):
         result = search_scales(ctx, group, config)
         candidates, losses = brute_force_losses(copy.deepcopy(ctx.layer), ctx, group, config)
-        assert result.losses == pytest.approx(losses, rel=1e-9), group.prev
+        assert [result.losses[k] for k in range(len(losses))] == pytest.approx(losses, rel=1e-9), group.prev
         best = min(range(len(losses)), key=losses.__getitem__)
-        assert result.ratio == best / config.options.grid
-        torch.testing.assert_close(result.scales, candidates[best], rtol=1e-12, atol=0)
+        if losses[best] < result.rtn_loss:
+            assert result.ratio == best / config.options.grid
+            torch.testing.assert_close(result.scales, candidates[best], rtol=1e-12, atol=0)
+        else:  # no scaling scored better than s = 1
+            assert result.ratio is None and result.scales is None and result.loss == result.rtn_loss
+
+
+@pytest.mark.parametrize("grid", [20, 5, 33])
+def test_refine_search_finds_the_minimum_of_a_unimodal_loss(grid: int) -> None:
+    for minimum in range(grid):
+        scored = search_order(grid, "refine", lambda k, m=minimum: (k - m) ** 2 + 0.5 * k)
+        assert min(scored, key=scored.__getitem__) == min(range(grid), key=lambda k, m=minimum: (k - m) ** 2 + 0.5 * k)
+        assert len(scored) == grid if grid < 8 else len(scored) <= {20: 9, 33: 13}[grid], (grid, minimum, sorted(scored))
+    assert sorted(search_order(grid, "grid", float)) == list(range(grid))
+
+
+@pytest.mark.parametrize("duo", [False, True])
+def test_refine_search_scores_a_subset_of_the_grid_and_keeps_its_minimum(duo: bool) -> None:
+    ctx = layer_context(outlier_model("llama", torch.float64), random_calibration(), index=1)
+    grid = QuantConfig(method="awq", group_size=32, options=AWQOptions(duo_scaling=duo, search="grid"))
+    refine = replace(grid, options=AWQOptions(duo_scaling=duo))  # the default
+    for group in active_scaling_groups(ctx.layer, ctx.adapter):
+        full, fast = search_scales(ctx, group, grid), search_scales(ctx, group, refine)
+        assert 0 in fast.losses and len(fast.losses) < len(full.losses)
+        assert fast.losses == pytest.approx({k: full.losses[k] for k in fast.losses}, rel=1e-12)
+        assert fast.loss == min([fast.rtn_loss, *fast.losses.values()]) <= fast.rtn_loss
+
+
+def test_a_search_where_every_scale_is_harmful_keeps_the_identity() -> None:
+    """Every candidate but s = 1 scores worse than no scaling (a trial that adds noise to any scaled weight):
+    the search ends at the identity and smooth_layer folds nothing."""
+    model = outlier_model("llama")
+    ctx = layer_context(model, random_calibration())
+    noise = torch.Generator().manual_seed(4)
+
+    def harmful(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        if torch.equal(scales, torch.ones_like(scales)):
+            return weight
+        return weight + 0.05 * torch.randn(weight.shape, generator=noise, dtype=weight.dtype)
+
+    method = get_method(QuantConfig(method="awq", group_size=32, options=AWQOptions(clip=False)))
+    method.trial_weight = lambda _ctx, _group: harmful
+    before = copy.deepcopy(ctx.layer.state_dict())
+    report = method.smooth_layer(ctx)
+    assert report["unscaled_groups"] == len(report["scales"]) == 3 and report["skipped_groups"] == 0
+    for entry in report["scales"].values():
+        assert entry["ratio"] is None and entry["loss_awq"] == entry["loss_rtn"] == 0.0
+    for name, tensor in ctx.layer.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
 
 
 def test_scored_batches_hold_at_most_the_search_tokens() -> None:
@@ -174,28 +222,44 @@ def test_scale_search_without_scored_tokens_leaves_the_scale() -> None:
 
 
 def test_clip_search_minimises_each_groups_output_error() -> None:
+    """Per group, the shrink minimising the group's partial output error (brute force); a row whose per-group
+    choices give a larger whole-row output error than no clipping keeps every group unclipped."""
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(6, 48, generator=gen, dtype=torch.float64) * 0.05
     weight[:, 5] *= 6  # an outlier weight in group 0 of every row: clipping pays there
     x = torch.randn(40, 48, generator=gen, dtype=torch.float64)
+
+    def quantized(row: int, limits: list[float]) -> torch.Tensor:
+        clipped = weight[row:row + 1].clone()
+        for g, limit in enumerate(limits):
+            clipped[:, 16 * g:16 * g + 16] = clipped[:, 16 * g:16 * g + 16].clamp(-limit, limit)
+        return rtn_quantize(clipped, 4, 16, sym, False).dequantize(torch.float64)
+
+    kept_rows = 0
     for sym in (False, True):
-        config = QuantConfig(method="awq", group_size=16, sym=sym)
-        result = search_clip(weight, x, config)
+        result, kept = search_clip(weight, x, QuantConfig(method="awq", group_size=16, sym=sym)), 0
         for row in range(weight.shape[0]):
+            amax = [float(weight[row, 16 * g:16 * g + 16].abs().max()) for g in range(3)]
+            best, best_errors, unclipped_errors = [], [], []
             for g in range(3):
                 cols = slice(16 * g, 16 * g + 16)
                 errors = []
                 for step in range(CLIP_STEPS):
-                    limit = weight[row, cols].abs().max() * (1 - step / CLIP_GRID)
-                    clipped = weight[row:row + 1].clone()
-                    clipped[:, cols] = clipped[:, cols].clamp(-limit, limit)
-                    q = rtn_quantize(clipped, 4, 16, sym, False).dequantize(torch.float64)
+                    limits = [a * (1 - step / CLIP_GRID) if h == g else a for h, a in enumerate(amax)]
+                    q = quantized(row, limits)
                     errors.append(float((x[:, cols] @ (q - weight[row:row + 1])[0, cols]).pow(2).mean()))
-                best = min(range(CLIP_STEPS), key=errors.__getitem__)
-                assert result.shrink[row, g] == 1 - best / CLIP_GRID, (row, g, errors)
-                assert float(result.error[row, g]) == pytest.approx(errors[best], rel=1e-9)
-                assert float(result.unclipped_error[row, g]) == pytest.approx(errors[0], rel=1e-9)
-        assert (result.shrink < 1).any()
+                k = min(range(CLIP_STEPS), key=errors.__getitem__)
+                best.append(1 - k / CLIP_GRID), best_errors.append(errors[k]), unclipped_errors.append(errors[0])
+            row_error = [float((x @ (quantized(row, [a * b for a, b in zip(amax, shrinks, strict=True)])
+                                     - weight[row:row + 1]).T).pow(2).mean()) for shrinks in (best, [1.0] * 3)]
+            if row_error[0] > row_error[1]:
+                best, best_errors, kept = [1.0] * 3, unclipped_errors, kept + 1
+            assert result.shrink[row].tolist() == best, (row, best)
+            assert result.error[row].tolist() == pytest.approx(best_errors, rel=1e-9)
+            assert result.unclipped_error[row].tolist() == pytest.approx(unclipped_errors, rel=1e-9)
+        assert (result.shrink < 1).any() and result.kept_rows == kept
+        kept_rows += kept
+    assert kept_rows > 0  # both cases occur with this weight
 
 
 @torch.no_grad()
@@ -273,4 +337,5 @@ def test_duo_scaling_reports_plain_rtn_loss() -> None:
     duo = search_scales(ctx, group, config)  # AWQ's default
     plain = search_scales(ctx, group, replace(config, options=AWQOptions(duo_scaling=False)))
     assert duo.rtn_loss == plain.rtn_loss == plain.losses[0]  # ratio 0 of the plain grid is s = 1
+    assert duo.loss <= duo.rtn_loss and plain.loss <= plain.rtn_loss
     assert duo.losses != plain.losses

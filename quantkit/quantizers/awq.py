@@ -73,6 +73,8 @@ class AWQOptions(RTNOptions):
     duo_scaling: bool = option(True, "s = mean|x|^r / mean|w|^(1-r) (off: mean|x|^r)",
                                flag="--duo-scaling/--no-duo-scaling", legacy="awq_duo_scaling")
     clip: bool = option(True, "search clipping ranges", flag="--clip/--no-clip", legacy="awq_clip")
+    search: str = option("refine", "ratios scored: every one (grid), or every 4th then halving steps around the best "
+                         "(refine)", flag="--awq-search", choices=("refine", "grid"))
     search_tokens: int = option(SEARCH_TOKENS, "calibration tokens each scale candidate is scored on (whole "
                                 "batches, at least one; 0: all)", flag="--awq-search-tokens", minimum=0)
 
@@ -210,30 +212,63 @@ def _linear_error(inputs: list[torch.Tensor], weights: list[torch.Tensor],
     return total
 
 
-def _mean_squared_errors(ctx: LayerContext, group: ScalingGroup, data: _GroupData, candidates: torch.Tensor,
-                         trial_weight: TrialWeight) -> torch.Tensor:
-    """The group's output MSE for each candidate scale vector, the layer's weights restored after."""
-    linears = [ctx.module(n) for n in group.linears]
-    weights = [lin.weight.detach().clone() for lin in linears]
-    if group.inspect is None:
-        count = data.scored_tokens * sum(w.shape[0] for w in weights)
-    else:
-        block, index = ctx.module(group.inspect), _real_index(ctx)[:data.scored_batches]
-        count = data.scored_tokens * data.outputs[0].shape[-1]
-    errors = []
-    try:
-        for scales in candidates:
-            trials = [trial_weight(w, scales) for w in weights]
-            if group.inspect is None:
-                errors.append(_linear_error(data.inputs, weights, trials))
-                continue
-            for lin, trial in zip(linears, trials, strict=True):
-                lin.weight.copy_(trial)
-            errors.append(_block_error(block, data, index))
-    finally:
-        for lin, weight in zip(linears, weights, strict=True):
+class _Scorer:
+    """The group's output MSE of one candidate scale vector at a time; the layer's weights are restored on exit."""
+
+    def __init__(self, ctx: LayerContext, group: ScalingGroup, data: _GroupData, trial_weight: TrialWeight) -> None:
+        self.group, self.data, self.trial_weight = group, data, trial_weight
+        self.linears = [ctx.module(n) for n in group.linears]
+        self.weights = [lin.weight.detach().clone() for lin in self.linears]
+        if group.inspect is None:
+            self.count = data.scored_tokens * sum(w.shape[0] for w in self.weights)
+        else:
+            self.block, self.index = ctx.module(group.inspect), _real_index(ctx)[:data.scored_batches]
+            self.count = data.scored_tokens * data.outputs[0].shape[-1]
+
+    def __enter__(self) -> _Scorer:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        for lin, weight in zip(self.linears, self.weights, strict=True):
             lin.weight.copy_(weight)
-    return torch.stack(errors).cpu() / count
+
+    def __call__(self, scales: torch.Tensor) -> float:
+        trials = [self.trial_weight(w, scales) for w in self.weights]
+        if self.group.inspect is None:
+            return float(_linear_error(self.data.inputs, self.weights, trials)) / self.count
+        for lin, trial in zip(self.linears, trials, strict=True):
+            lin.weight.copy_(trial)
+        return float(_block_error(self.block, self.data, self.index)) / self.count
+
+
+def search_order(grid: int, search: str, loss: Callable[[int], float]) -> dict[int, float]:
+    """Losses of the grid indices scored: every one ("grid"), or ("refine") every step-th, step the largest power
+    of two up to grid / 4, then the two neighbours at half the step around the best so far until the step is 1
+    (grid 20: 9 of 20; exact where the loss is unimodal in the ratio)."""
+    losses: dict[int, float] = {}
+
+    def score(k: int) -> None:
+        if 0 <= k < grid and k not in losses:
+            losses[k] = loss(k)
+
+    def best() -> int:
+        return min(losses, key=lambda k: losses[k] if math.isfinite(losses[k]) else math.inf)
+
+    step = 1
+    while search == "refine" and step * 8 <= grid:
+        step *= 2
+    for k in range(0, grid, step):
+        score(k)
+    while step > 1:
+        step //= 2
+        center = best()
+        score(center - step)
+        score(center + step)
+    return losses
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None  # JSON has no NaN
 
 
 @dataclass
@@ -245,19 +280,19 @@ class ScaleSearch:
     scored_tokens: int
     scales: torch.Tensor | None = None
     ratio: float | None = None
-    losses: list[float] = field(default_factory=list)  # per grid ratio; NaN where non-finite
+    losses: dict[int, float] = field(default_factory=dict)  # per scored grid index; NaN where non-finite
     rtn_loss: float | None = None  # s = 1
-    skipped: str | None = None
+    loss: float | None = None  # of the scales kept: the best scored candidate or s = 1, whichever is lower
+    skipped: str | None = None  # why the search did not run (s = 1)
 
     def report(self) -> dict:
         entry: dict = {"linears": list(self.group.linears), "tokens": self.tokens, "scored_tokens": self.scored_tokens}
         if self.skipped is not None:
             entry["skipped"] = self.skipped
         if self.losses:
-            finite = [loss for loss in self.losses if math.isfinite(loss)]
-            rtn = self.rtn_loss if self.rtn_loss is not None and math.isfinite(self.rtn_loss) else None
-            entry.update(ratio=self.ratio, loss_rtn=rtn, loss_awq=min(finite, default=None),
-                         nonfinite_losses=len(self.losses) - len(finite))  # JSON has no NaN
+            finite = [loss for loss in self.losses.values() if math.isfinite(loss)]
+            entry.update(ratio=self.ratio, loss_rtn=_finite_or_none(self.rtn_loss), loss_awq=_finite_or_none(self.loss),
+                         scored_ratios=len(self.losses), nonfinite_losses=len(self.losses) - len(finite))
         return entry
 
 
@@ -282,20 +317,21 @@ def search_scales(ctx: LayerContext, group: ScalingGroup, config: QuantConfig,
     candidates = grid_scales(x_mean, w_mean, options.grid)
     if trial_weight is None:
         trial_weight = partial(scaled_fake_quant, config=config)
-    if options.duo_scaling:  # the grid does not contain s = 1: measure plain RTN on the side
-        with_unit = torch.cat([torch.ones_like(x_mean)[None], candidates])
-        losses = _mean_squared_errors(ctx, group, data, with_unit, trial_weight)
-        result.rtn_loss, grid_losses = float(losses[0]), losses[1:]
-    else:  # ratio 0 is s = 1
-        grid_losses = _mean_squared_errors(ctx, group, data, candidates, trial_weight)
-        result.rtn_loss = float(grid_losses[0])
-    result.losses = grid_losses.tolist()
-    finite = torch.isfinite(grid_losses)
-    if not finite.any():
+    with _Scorer(ctx, group, data, trial_weight) as scorer:
+        # s = 1 is always a candidate, so the search never ends worse than no scaling on its own objective; the
+        # plain grid's ratio 0 is s = 1, duo scaling's grid does not contain it.
+        result.losses = search_order(options.grid, options.search, lambda k: scorer(candidates[k]))
+        result.rtn_loss = result.losses[0] if not options.duo_scaling else scorer(torch.ones_like(x_mean))
+    scored = {k: loss for k, loss in result.losses.items() if math.isfinite(loss)}
+    if not scored and not math.isfinite(result.rtn_loss):
         result.skipped = "non-finite losses"
         return result
-    best = int(torch.where(finite, grid_losses, torch.inf).argmin())
-    result.ratio, result.scales = best / options.grid, candidates[best]
+    best = min(scored, key=scored.__getitem__, default=None)
+    unscaled = result.rtn_loss if math.isfinite(result.rtn_loss) else math.inf
+    if best is None or scored[best] >= unscaled:  # a tie keeps the layer as it is
+        result.loss = result.rtn_loss
+        return result
+    result.ratio, result.scales, result.loss = best / options.grid, candidates[best], scored[best]
     return result
 
 
@@ -307,6 +343,7 @@ class ClipSearch:
     shrink: torch.Tensor
     error: torch.Tensor
     unclipped_error: torch.Tensor
+    kept_rows: int = 0  # rows whose per-group choices raised the row's whole output error: left unclipped
 
     def report(self) -> dict:
         unclipped = float(self.unclipped_error.sum())
@@ -314,6 +351,7 @@ class ClipSearch:
             "shrunk_groups": float((self.shrink < 1).float().mean()),
             "mean_shrink": float(self.shrink.float().mean()),
             "error_ratio": float(self.error.sum()) / unclipped if unclipped > 0 else 1.0,
+            "unclipped_rows": self.kept_rows,
         }
 
 
@@ -326,16 +364,28 @@ def _group_outputs(x_grouped: torch.Tensor, w_grouped: torch.Tensor) -> torch.Te
     return torch.bmm(x_grouped, w_grouped.permute(1, 2, 0))
 
 
+def _row_errors(x: torch.Tensor, weight: torch.Tensor, deq: torch.Tensor) -> torch.Tensor:
+    """Mean squared output error per row of the whole linear, every group at once: [rows]."""
+    return (x @ (deq - weight).T).pow(2).mean(0)
+
+
 @torch.no_grad()
 def search_clip(weight: torch.Tensor, x: torch.Tensor, config: QuantConfig) -> ClipSearch:
     """AutoAWQ's _compute_best_clip: per group, the shrunk max minimising the mean squared partial output
-    error over the tokens of x, in output-channel batches (the search is independent per row)."""
+    error over the tokens of x, in output-channel batches (the search is independent per row). The groups' errors
+    add up to a row's only on average, so a row whose chosen clips raise its whole output error stays unclipped."""
     out_features, in_features = weight.shape
     group = check_group_size(in_features, config.group_size)
     n_groups, wide = in_features // group, _wide(weight.dtype)
     mse = config.options_as(RTNOptions).mse
-    x_grouped = x.to(wide).reshape(-1, n_groups, group).transpose(0, 1)
+    x_wide = x.to(wide)
+    x_grouped = x_wide.reshape(-1, n_groups, group).transpose(0, 1)
     batch = max(1, CLIP_ELEMENTS // (x.shape[0] * n_groups + 4 * in_features))
+
+    def quantized(w: torch.Tensor, max_abs: torch.Tensor) -> torch.Tensor:
+        clipped = _clamp(w, max_abs).to(weight.dtype).reshape(-1, in_features)
+        return rtn_fake_quantize(clipped, config.bits, group, config.sym, mse, config.scale_torch_dtype).to(wide)
+
     parts: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, out_features, batch):
         w = weight[start:start + batch].to(wide).reshape(-1, n_groups, group)
@@ -345,18 +395,19 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, config: QuantConfig) -> C
         best_shrink = torch.ones_like(amax)
         for step in range(CLIP_STEPS):
             shrink = 1 - step / CLIP_GRID
-            clipped = _clamp(w, amax * shrink).to(weight.dtype).reshape(-1, in_features)
-            deq = rtn_fake_quantize(clipped, config.bits, group, config.sym, mse, config.scale_torch_dtype).to(wide)
-            diff = _group_outputs(x_grouped, deq.reshape(w.shape)) - reference
-            err = diff.pow(2).mean(1).T  # [rows, groups]
+            deq = quantized(w, amax * shrink)
+            err = (_group_outputs(x_grouped, deq.reshape(w.shape)) - reference).pow(2).mean(1).T  # [rows, groups]
             if step == 0:
-                unclipped = err
+                unclipped, unclipped_deq = err, deq
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_shrink = torch.where(better, torch.full_like(best_shrink, shrink), best_shrink)
-        parts.append((amax * best_shrink, best_shrink, best_err, unclipped))
-    max_abs, shrink, error, unclipped_error = (torch.cat(p) for p in zip(*parts, strict=True))
-    return ClipSearch(max_abs, shrink, error, unclipped_error)
+        flat = w.reshape(-1, in_features)
+        worse = _row_errors(x_wide, flat, quantized(w, amax * best_shrink)) > _row_errors(x_wide, flat, unclipped_deq)
+        best_shrink[worse], best_err[worse] = 1.0, unclipped[worse]
+        parts.append((amax * best_shrink, best_shrink, best_err, unclipped, worse))
+    max_abs, shrink, error, unclipped_error, worse = (torch.cat(p) for p in zip(*parts, strict=True))
+    return ClipSearch(max_abs, shrink, error, unclipped_error, int(worse.sum()))
 
 
 @torch.no_grad()
@@ -436,16 +487,19 @@ class AWQ(Method):
             raise QuantizationError(f"layer {ctx.index}: AWQ: {err}") from err
 
     def _smooth(self, ctx: LayerContext) -> dict:
-        scales, skipped = {}, 0
+        scales, skipped, unscaled = {}, 0, 0
         for group in active_scaling_groups(ctx.layer, ctx.adapter):
             result = self.search_group(ctx, group)
-            if result.scales is None:
+            if result.skipped is not None:
                 skipped += 1
                 log.warning("layer %d %s: AWQ scale left at 1 (%s)", ctx.index, group.prev, result.skipped)
+            elif result.scales is None:
+                unscaled += 1
+                log.debug("layer %d %s: no scale scored below s = 1; left unscaled", ctx.index, group.prev)
             else:
                 fold_scales(ctx.layer, ctx.adapter, group, result.scales)
             scales[group.prev] = result.report()
-        report: dict = {"scales": scales, "skipped_groups": skipped}
+        report: dict = {"scales": scales, "skipped_groups": skipped, "unscaled_groups": unscaled}
         if self.config.options_as(AWQOptions).clip:
             report["clip"] = clip_layer(ctx, self.config)
         return report

@@ -47,6 +47,9 @@ class Method(ABC):
     name: ClassVar[str]
     needs_activations: ClassVar[bool] = True
     options_class: ClassVar[type[MethodOptions]] = MethodOptions  # what QuantConfig.options holds for it
+    # the engine compares each quantized layer's output error with RTN's on the same grid and keeps the better
+    # (quantkit.layer_guard); off for a method whose weights RTN cannot express
+    rtn_guard: ClassVar[bool] = True
 
     def __init__(self, config: QuantConfig) -> None:
         self.config = config

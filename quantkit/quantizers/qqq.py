@@ -108,6 +108,7 @@ class QQQQuantizer(GPTQQuantizer):
 class QQQ(Method):
     name = "qqq"
     options_class = QQQOptions
+    rtn_guard = False  # RTN cannot express its two-level grids; its smooth_check holds smoothing against GPTQ
 
     def __init__(self, config: QuantConfig) -> None:
         options = config.options_as(QQQOptions)
