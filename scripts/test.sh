@@ -4,8 +4,6 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup_dev.sh
 python3 -m ruff check .
-# PYTHONSAFEPATH (python -P, inherited by the xdist workers): no repo root on sys.path, where kernels/ (installed
-# as quantkit.kernels) would shadow the PyPI package `kernels` that transformers >= 5.25 requires and imports.
 # Two workers, one test file each at a time (module fixtures quantize once); tests/conftest.py gives each worker
 # its share of the cores and starts the slow real-model files first.
-PYTHONSAFEPATH=1 python3 -m pytest -q -p no:cacheprovider --durations=15 -n 2 --dist loadfile --no-loadscope-reorder "$@"
+python3 -m pytest -q -p no:cacheprovider --durations=15 -n 2 --dist loadfile --no-loadscope-reorder "$@"

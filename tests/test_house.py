@@ -1,11 +1,15 @@
 """The house rules of the package's imports, read from the source with ast (every import: top level, inside
 functions, under TYPE_CHECKING): no import cycle inside quantkit, and the kernels (quantkit.kernels, the repo's
 kernels/ folder) import nothing of quantkit: they are the ground floor that the nn layer, formats and quantizers
-build on; no kernel file imports another (they share kernels/common.py, gluon_common.py, layout.py, spec.py)."""
+build on; no kernel file imports another (they share kernels/common.py, gluon_common.py, layout.py, spec.py).
+And the checkout imports from its own root."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,3 +105,14 @@ def test_no_kernel_file_imports_another() -> None:
     graph = import_graph()
     wrong = {f"{name} imports {dep}" for name in kernel_files for dep in graph[name] & kernel_files}
     assert not wrong, sorted(wrong)
+
+
+def test_the_checkout_imports_from_its_own_root() -> None:
+    """Python started in the repository root has kernels/ on sys.path as a top-level `kernels`: that name still
+    resolves to the PyPI package transformers imports, and quantkit.kernels to the folder."""
+    probe = ("import pathlib, kernels, quantkit, quantkit.kernels as ours; "
+             "assert not pathlib.Path(kernels.__file__).is_relative_to(pathlib.Path.cwd()), kernels.__file__; "
+             "assert pathlib.Path(ours.__file__).parent.name == 'kernels' and callable(ours.make_kernel_forward)")
+    environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH", "PYTHONPATH")}
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=environment, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
