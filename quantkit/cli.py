@@ -97,10 +97,14 @@ def resolve_group_size(model, adapter, requested: str) -> int:
     """'auto': the largest of 128/64/32 dividing every quantized input size (576 -> 64 for SmolLM2).
 
     An explicit size is checked against every input size now, before any calibration work."""
+    from quantkit.models.moe import fused_input_sizes
     from quantkit.qtensor import check_group_size
 
-    layer = adapter.get_layers(model)[0]
-    sizes = {layer.get_submodule(n).in_features for n in adapter.linear_names() if _has_module(layer, n)}
+    sizes = set()
+    for layer in adapter.get_layers(model):  # every layer: widths differ across layers (dense and MoE, MLA)
+        sizes |= {module.in_features for n in adapter.linear_names()
+                  if isinstance(module := _module_or_none(layer, n), torch.nn.Linear)}
+        sizes |= fused_input_sizes(layer, adapter)
     if requested != "auto":
         group = parse_group_size(requested)
         if group in (32, 64, 128):
@@ -120,12 +124,11 @@ def default_nsamples(device: str) -> int:
     return 128 if torch.device(device).type == "cuda" else 32
 
 
-def _has_module(layer, name: str) -> bool:
+def _module_or_none(layer, name: str):
     try:
-        layer.get_submodule(name)
-        return True
+        return layer.get_submodule(name)
     except AttributeError:
-        return False
+        return None
 
 
 def _heldout_ppl(model, tokenizer, windows: int, seqlen: int) -> dict[str, float]:
@@ -306,8 +309,6 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
     work_device = resolve_device(device)
     if nsamples is None:
         nsamples = default_nsamples(work_device)
-    if output is None:
-        output = default_output(model, method, bits, act_bits, group_size)
     options = method_class(method).options_class.from_dict(method_options_for(method, method_options))
 
     def scheme(group: int, scale_dtype: str = "float16") -> QuantConfig:
@@ -317,7 +318,11 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
         get_format(format).check(config)
         return config
 
-    scheme(128 if group_size == "auto" else parse_group_size(group_size))  # the scheme, before any loading
+    planned = scheme(128 if group_size == "auto" else parse_group_size(group_size))  # the scheme, before any loading
+    if planned.method_fixes():
+        console.print(f"{method} fixes " + ", ".join(f"{k}={v}" for k, v in planned.method_fixes().items()))
+    if output is None:
+        output = default_output(model, method, bits, planned.act_bits, group_size)
     check_quantize_request(source=model, calib=calib, output=output, overwrite=overwrite, nsamples=nsamples,
                            seqlen=seqlen, batch_size=batch_size, eval_windows=eval_windows if evaluate else None,
                            dtype=dtype, bits=bits, offload_dir=offload_dir, resume_interval=resume_interval)

@@ -127,6 +127,23 @@ class QuantConfig:
         elif not isinstance(self.options, expected):
             raise QuantizationError(f"method {self.method!r} takes {expected.__name__}, "
                                     f"got {type(self.options).__name__}")
+        self._apply_method_scheme()
+
+    def _apply_method_scheme(self) -> None:
+        """The scheme fields the method fixes (METHOD_SCHEMES): a field left at its default takes the method's
+        value; one set otherwise contradicts the method, refused in one line."""
+        for name, required in METHOD_SCHEMES.get(self.method, {}).items():
+            value = getattr(self, name)
+            if value == required:
+                continue
+            if value != _SCHEME_DEFAULTS[name]:
+                raise QuantizationError(f"{self.method} needs {name}={required!r}; {name}={value!r} "
+                                        f"({SCHEME_FLAGS[name]}) contradicts it")
+            setattr(self, name, required)
+
+    def method_fixes(self) -> dict[str, Any]:
+        """The scheme fields the method fixes, with their values: what the resolved scheme says it chose."""
+        return dict(METHOD_SCHEMES.get(self.method, {}))
 
     def options_as(self, expected: type[Options]) -> Options:
         """The options, typed as the class the calling method's code reads (its own or one it extends)."""
@@ -183,6 +200,11 @@ class QuantConfig:
         scheme = {k: v for k, v in values.items() if k in scheme_keys}
         return cls(**scheme, options=_options_class(method).from_dict(options))
 
+
+# method name -> the scheme fields it fixes (QQQ: W4A8, symmetric), from Method.required_scheme by register
+METHOD_SCHEMES: dict[str, dict[str, Any]] = {}
+SCHEME_FLAGS = {"sym": "--asym", "act_bits": "--act-bits", "bits": "--bits"}  # the flag that sets each field
+_SCHEME_DEFAULTS = {f.name: f.default for f in fields(QuantConfig) if f.name in SCHEME_FLAGS}
 
 # method name -> its options class, filled by quantkit.quantizers.base.register (the package's __init__ imports
 # the built-in methods, so they are here whenever quantkit is imported)

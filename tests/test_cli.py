@@ -241,6 +241,25 @@ def test_a_registered_method_gets_its_flags(monkeypatch, tiny_llama, tmp_path) -
     assert result.exit_code == 2 and "error: wiggle must be at least 0, got -1" in result.output
 
 
+def test_a_scheme_the_method_or_format_contradicts_is_refused_before_work(tiny_llama, tmp_path) -> None:
+    """QQQ fixes W4A8 with symmetric weights when the scheme is made: a format that cannot carry it, or a flag
+    against it, stops the run in one line before the model is read; the default output name says W4A8."""
+    for flags, message in ((("--format", "gptq"), "W4A8 (8-bit activations) can only be exported as compressed-tensors"),
+                           (("--asym",), "qqq needs sym=True; sym=False (--asym) contradicts it"),
+                           (("--no-act-order",), "qqq runs GPTQ with act-order: --no-act-order contradicts it")):
+        result = _quantize(str(tiny_llama), "--method", "qqq", *flags, "--output", str(tmp_path / "q"))
+        assert result.exit_code == 2 and f"error: {message}" in result.output, result.output
+        assert "Traceback" not in result.output and not (tmp_path / "q").exists()
+
+
+def test_the_default_output_is_named_after_the_resolved_scheme(tiny_llama, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = _quantize(str(tiny_llama), "--method", "qqq", "--group-size", "32", "--smooth-steps", "2")
+    assert result.exit_code == 0, result.output
+    assert "qqq fixes sym=True, act_bits=8" in result.output
+    assert (tmp_path / "out" / f"{tiny_llama.name}-qqq-w4a8-g32" / "quantkit.json").is_file()
+
+
 def test_invalid_method_options_fail_in_one_line(tiny_llama, tmp_path) -> None:
     result = _quantize(str(tiny_llama), "--damp", "2", "--output", str(tmp_path / "q"))
     assert result.exit_code == 2 and "error: damp_percent must be in (0, 1), got 2.0" in result.output
@@ -277,3 +296,23 @@ def test_moe_all_tokens_reaches_the_calibration(tmp_path, tokenizer) -> None:
     assert meta["quant_config"]["moe_all_tokens"] is True
     tokens = {meta["report"]["layers"][0]["linears"][f"mlp.experts.{e}.up_proj"]["tokens"] for e in range(EXPERTS)}
     assert tokens == {meta["report"]["calibration_tokens"]}
+
+
+def test_auto_group_size_reads_every_layer() -> None:
+    """A later layer's wider or narrower linear (here an MLP of 96, a multiple of 32 only) decides 'auto' too, and
+    an explicit size it does not divide is refused before any work; fused MoE experts count by their 3-D shapes."""
+    from test_adapters import tiny_model
+    from test_moe import tiny_moe
+
+    from quantkit.models import get_adapter
+    from quantkit.qtensor import QuantizationError
+
+    model = tiny_model("llama")
+    assert cli.resolve_group_size(model, get_adapter(model), "auto") == 64
+    mlp = model.model.layers[1].mlp
+    mlp.gate_proj, mlp.up_proj, mlp.down_proj = torch.nn.Linear(64, 96), torch.nn.Linear(64, 96), torch.nn.Linear(96, 64)
+    assert cli.resolve_group_size(model, get_adapter(model), "auto") == 32
+    with pytest.raises(QuantizationError, match="96"):
+        cli.resolve_group_size(model, get_adapter(model), "64")
+    moe = tiny_moe("qwen3_moe", moe_intermediate_size=96)
+    assert cli.resolve_group_size(moe, get_adapter(moe), "auto") == 32

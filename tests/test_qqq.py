@@ -329,12 +329,19 @@ def test_fallback_stays_on_qqq_grid(caplog) -> None:
     assert torch.equal(multiple, multiple.round())
 
 
-def test_qqq_forces_its_scheme(caplog) -> None:
-    config = QuantConfig(method="qqq", group_size=32, sym=False, act_bits=16, options=QQQOptions(act_order=False))
-    with caplog.at_level(logging.WARNING, logger="quantkit"):
-        get_method(config)
+def test_qqq_fixes_its_scheme_at_construction() -> None:
+    """W4A8 with symmetric weights and act-order: fields left at their defaults take QQQ's values when the config is
+    made (nothing changes it later); a field set against them is refused, in one line."""
+    config = QuantConfig(method="qqq", group_size=32)
     assert (config.sym, config.options.act_order, config.act_bits) == (True, True, 8)
-    assert any("act_bits" in r.message for r in caplog.records)
+    assert config.method_fixes() == {"sym": True, "act_bits": 8}
+    assert get_method(config).config == config
+    with pytest.raises(QuantizationError, match=r"qqq needs sym=True; sym=False \(--asym\) contradicts it"):
+        QuantConfig(method="qqq", sym=False)
+    with pytest.raises(QuantizationError, match="--no-act-order contradicts it"):
+        QQQOptions(act_order=False)
+    with pytest.raises(QuantizationError, match="--mse does not apply"):
+        QQQOptions(mse=True)
     with pytest.raises(QuantizationError, match="4-bit"):
         get_method(QuantConfig(method="qqq", bits=8))
     with pytest.raises(QuantizationError, match="smooth_search must be one of"):

@@ -16,12 +16,12 @@ never import the engine. A new method registers itself here and touches nothing 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from quantkit.config import METHOD_OPTIONS, MethodOptions, QuantConfig
+from quantkit.config import METHOD_OPTIONS, METHOD_SCHEMES, MethodOptions, QuantConfig
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.context import LayerContext
 
@@ -50,6 +50,8 @@ class Method(ABC):
     # the engine compares each quantized layer's output error with RTN's on the same grid and keeps the better
     # (quantkit.layer_guard); off for a method whose weights RTN cannot express
     rtn_guard: ClassVar[bool] = True
+    # scheme fields the method fixes (QuantConfig applies them at construction, refusing a contradiction)
+    required_scheme: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, config: QuantConfig) -> None:
         self.config = config
@@ -75,6 +77,7 @@ METHODS: dict[str, type[Method]] = {}
 def register(cls: type[Method]) -> type[Method]:
     METHODS[cls.name] = cls
     METHOD_OPTIONS[cls.name] = cls.options_class
+    METHOD_SCHEMES[cls.name] = cls.required_scheme
     return cls
 
 

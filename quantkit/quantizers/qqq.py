@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from quantkit.config import QuantConfig, option
-from quantkit.qtensor import QuantizedWeight
+from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.base import LinearQuantizer, Method, register
 from quantkit.quantizers.context import LayerContext
 from quantkit.quantizers.gptq import GPTQOptions, GPTQQuantizer
@@ -70,8 +70,6 @@ from quantkit.smoothing import active_scaling_groups, fold_scales
 
 log = logging.getLogger("quantkit")
 
-REQUIRED_SCHEME = {"sym": True, "act_bits": 8}
-REQUIRED_OPTIONS = {"act_order": True}
 
 
 @dataclass(frozen=True)
@@ -88,6 +86,13 @@ class QQQOptions(GPTQOptions):
 
     def label(self) -> str:
         return ""  # act-order is part of QQQ
+
+    def check(self) -> None:
+        super().check()
+        if not self.act_order:
+            raise QuantizationError("qqq runs GPTQ with act-order: --no-act-order contradicts it")
+        if self.mse:
+            raise QuantizationError("qqq's weight grids are min-max: --mse does not apply to it")
 
 
 class QQQQuantizer(GPTQQuantizer):
@@ -109,20 +114,9 @@ class QQQ(Method):
     name = "qqq"
     options_class = QQQOptions
     rtn_guard = False  # RTN cannot express its two-level grids; its smooth_check holds smoothing against GPTQ
+    required_scheme = {"sym": True, "act_bits": 8}  # W4A8, symmetric weights
 
     def __init__(self, config: QuantConfig) -> None:
-        options = config.options_as(QQQOptions)
-        current = {k: getattr(config, k) for k in REQUIRED_SCHEME} | {k: getattr(options, k) for k in REQUIRED_OPTIONS}
-        required = REQUIRED_SCHEME | REQUIRED_OPTIONS
-        overridden = {k: v for k, v in current.items() if v != required[k]}
-        if overridden:
-            log.warning("QQQ is W4A8 with symmetric weights and act-order GPTQ: running with %s "
-                        "instead of %s", required, overridden)
-        for name, value in REQUIRED_SCHEME.items():
-            setattr(config, name, value)  # in place: the engine and the export read this config
-        config.with_options(**REQUIRED_OPTIONS)
-        if options.mse:
-            log.warning("QQQ's weight grids are min-max: --mse is ignored")
         super().__init__(config.validate())
 
     def linear_quantizer(self, linear: nn.Linear) -> LinearQuantizer:
