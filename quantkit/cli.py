@@ -302,6 +302,7 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
     from quantkit.formats import get_format
     from quantkit.models import get_adapter, load_model
     from quantkit.models.loading import default_dtype, load_tokenizer
+    from quantkit.outputs import output_lock
     from quantkit.preflight import check_quantize_request, resolve_device
     from quantkit.quantizers.base import method_class
     from quantkit.streaming import open_streamed_model, streamable_reason
@@ -323,52 +324,53 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
         console.print(f"{method} fixes " + ", ".join(f"{k}={v}" for k, v in planned.method_fixes().items()))
     if output is None:
         output = default_output(model, method, bits, planned.act_bits, group_size)
-    check_quantize_request(source=model, calib=calib, output=output, overwrite=overwrite, nsamples=nsamples,
-                           seqlen=seqlen, batch_size=batch_size, eval_windows=eval_windows if evaluate else None,
-                           dtype=dtype, bits=bits, offload_dir=offload_dir, resume_interval=resume_interval)
-    _phase("reading the calibration text")
-    passages = load_passages(calib)
-    not_streamed = streamable_reason(model, trust_remote_code)
-    if not_streamed is None:
-        _phase(f"loading {model} layer by layer (streaming)")
-        lm, ckpt = open_streamed_model(model, default_dtype(work_device))
-        tokenizer = load_tokenizer(model)
-    else:
-        _phase(f"loading {model or 'the embedded default model'} whole: {not_streamed}")
-        lm, tokenizer = load_model(model, dtype=default_dtype(work_device), trust_remote_code=trust_remote_code,
-                                   allow_pickle=allow_pickle)
-    adapter = get_adapter(lm)
-    # scales rounded to the dtype the export serves in (bf16 for Gemma or --dtype bfloat16)
-    config = scheme(resolve_group_size(lm, adapter, group_size), scale_dtype_for(export_dtype(lm, dtype)))
-    console.print(f"[bold]{lm.config.model_type}[/] {config.method} W{config.bits}A{config.act_bits} "
-                  f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format}, "
-                  f"{nsamples} x {seqlen} calibration tokens on {work_device}")
-    calib_set = build_calibration_set(tokenizer, passages, nsamples, seqlen, seed, chat_template)
-    if not_streamed is None:
-        _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, format, output, dtype, work_device,
-                           batch_size, overwrite, resume, resume_interval, evaluate, offload_dir)
-        return
-    if evaluate:
-        _phase("held-out perplexity of the original model")
-    before = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
-    report = quantize_model(lm.cpu(), adapter, calib_set, config, device=work_device, batch_size=batch_size,
-                            offload_dir=offload_dir)
-    if evaluate:
-        _phase("held-out perplexity of the quantized model")
-    after = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
-    _phase(f"exporting to {output}")
-    out = export_checkpoint(lm.cpu(), tokenizer, output, config, format, report=report.to_dict(),
-                            dtype=dtype, overwrite=overwrite)
-    _print_summary(report, out)
-    if evaluate:
-        table = Table(title="held-out perplexity")
-        table.add_column("text")
-        table.add_column("original", justify="right")
-        table.add_column("quantized", justify="right")
-        table.add_column("delta", justify="right")
-        for name in before:
-            table.add_row(name, f"{before[name]:.3f}", f"{after[name]:.3f}", f"{after[name] - before[name]:+.3f}")
-        Console().print(table)
+    with output_lock(output):  # one run per output, from its checks to its export
+        check_quantize_request(source=model, calib=calib, output=output, overwrite=overwrite, nsamples=nsamples,
+                               seqlen=seqlen, batch_size=batch_size, eval_windows=eval_windows if evaluate else None,
+                               dtype=dtype, bits=bits, offload_dir=offload_dir, resume_interval=resume_interval)
+        _phase("reading the calibration text")
+        passages = load_passages(calib)
+        not_streamed = streamable_reason(model, trust_remote_code)
+        if not_streamed is None:
+            _phase(f"loading {model} layer by layer (streaming)")
+            lm, ckpt = open_streamed_model(model, default_dtype(work_device))
+            tokenizer = load_tokenizer(model)
+        else:
+            _phase(f"loading {model or 'the embedded default model'} whole: {not_streamed}")
+            lm, tokenizer = load_model(model, dtype=default_dtype(work_device), trust_remote_code=trust_remote_code,
+                                       allow_pickle=allow_pickle)
+        adapter = get_adapter(lm)
+        # scales rounded to the dtype the export serves in (bf16 for Gemma or --dtype bfloat16)
+        config = scheme(resolve_group_size(lm, adapter, group_size), scale_dtype_for(export_dtype(lm, dtype)))
+        console.print(f"[bold]{lm.config.model_type}[/] {config.method} W{config.bits}A{config.act_bits} "
+                      f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format}, "
+                      f"{nsamples} x {seqlen} calibration tokens on {work_device}")
+        calib_set = build_calibration_set(tokenizer, passages, nsamples, seqlen, seed, chat_template)
+        if not_streamed is None:
+            _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, format, output, dtype, work_device,
+                               batch_size, overwrite, resume, resume_interval, evaluate, offload_dir)
+            return
+        if evaluate:
+            _phase("held-out perplexity of the original model")
+        before = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
+        report = quantize_model(lm.cpu(), adapter, calib_set, config, device=work_device, batch_size=batch_size,
+                                offload_dir=offload_dir)
+        if evaluate:
+            _phase("held-out perplexity of the quantized model")
+        after = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
+        _phase(f"exporting to {output}")
+        out = export_checkpoint(lm.cpu(), tokenizer, output, config, format, report=report.to_dict(),
+                                dtype=dtype, overwrite=overwrite)
+        _print_summary(report, out)
+        if evaluate:
+            table = Table(title="held-out perplexity")
+            table.add_column("text")
+            table.add_column("original", justify="right")
+            table.add_column("quantized", justify="right")
+            table.add_column("delta", justify="right")
+            for name in before:
+                table.add_row(name, f"{before[name]:.3f}", f"{after[name]:.3f}", f"{after[name] - before[name]:+.3f}")
+            Console().print(table)
 
 
 def _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, fmt_name: str, output: Path, dtype: str,

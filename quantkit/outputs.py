@@ -5,11 +5,12 @@ moved in: a previous export is first renamed aside (`.quantkit-old-NAME.PID-XXXX
 the old one deleted. A crash at any moment leaves the old or the new export at NAME, or the old one aside,
 which the next run puts back (`clean_stale`). Staging folders carry the writer's process id, so a run never
 removes the folder of another one still running; streaming writers can fill `staged_output`'s folder layer
-by layer.
+by layer. One run writes an output at a time (`output_lock`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
@@ -65,6 +66,50 @@ def check_output_target(output: Path, overwrite: bool, protected: Path | None = 
             f"--overwrite refused: {output} is not empty and is not a quantkit export (no {MARKER}); "
             "move its files away or choose another --output"
         )
+
+
+LOCK_SUFFIX = ".quantkit-lock"
+
+
+def lock_path(output: Path) -> Path:
+    output = output.expanduser().resolve()
+    return output.parent / f".{output.name}{LOCK_SUFFIX}"
+
+
+@contextmanager
+def output_lock(output: Path) -> Iterator[Path]:
+    """Held for a whole run on `output`: a second run on it stops at once, naming the process that holds it.
+
+    An exclusive flock on `.NAME.quantkit-lock` beside the output, which holds the owner's process id. The kernel
+    drops the lock when its process dies, so a killed run's lock file is taken over (and said so) by the next run.
+    """
+    path = lock_path(output)
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise QuantizationError(f"cannot create the lock {path}: {err.strerror or err}") from err
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise QuantizationError(f"{output} is being written by another quantkit run (process {holder}); "
+                                    "wait for it to finish or choose another --output") from None
+        if os.path.exists(path) and os.stat(path).st_ino == os.fstat(fd).st_ino:
+            break
+        os.close(fd)  # the file was removed by its owner between our open and our lock: take the new one
+    previous = os.read(fd, 32).decode(errors="replace").strip()
+    if previous:
+        log.warning("took over %s from process %s, which ended without releasing it", path.name, previous)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)  # before the lock goes: a run waiting on this inode sees it gone and retries
+        os.close(fd)
 
 
 def _writer_alive(folder: Path) -> bool:

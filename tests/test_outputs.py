@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import stat
 from pathlib import Path
@@ -29,6 +30,7 @@ from quantkit.outputs import (
     check_free_space,
     check_output_target,
     clean_stale,
+    output_lock,
     staged_output,
 )
 from quantkit.qtensor import QuantizationError
@@ -193,3 +195,31 @@ def test_cli_failing_report_leaves_the_json(tiny_model, tmp_path) -> None:  # no
     assert json.loads((tmp_path / "m.json").read_text())["models"][0]["perplexity"]["text"]["ppl"] > 1
     assert snapshot(tiny_model) == before
 
+
+
+def test_one_run_per_output(tmp_path, caplog) -> None:
+    """A second run on an output another run holds stops at once naming its process; the lock of a run that died
+    (its file left, the kernel's lock gone) is taken over and logged; a finished run leaves no lock file."""
+    output = tmp_path / "q"
+    with output_lock(output) as path:
+        assert path == tmp_path / ".q.quantkit-lock" and path.read_text() == f"{os.getpid()}\n"
+        with pytest.raises(QuantizationError, match=rf"another quantkit run \(process {os.getpid()}\)"):
+            with output_lock(output):
+                pass
+    assert not path.exists()
+    path.write_text("999999999\n")  # what a killed run leaves
+    with caplog.at_level(logging.WARNING, logger="quantkit"), output_lock(output):
+        assert path.read_text() == f"{os.getpid()}\n"
+    assert any("from process 999999999" in r.message for r in caplog.records)
+
+
+def test_a_second_quantize_on_the_same_output_is_refused_before_work(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    output = tmp_path / "q"
+    with output_lock(output):
+        result = CliRunner().invoke(app, ["quantize", "--method", "rtn", "--output", str(output), "--no-eval"])
+    assert result.exit_code == 2 and "is being written by another quantkit run" in result.output, result.output
+    assert not output.exists()
