@@ -3,6 +3,7 @@ PyTorch model whose quantized linears are QuantLinear modules computing with the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from quantkit.formats import detect_format
 from quantkit.models.adapters import find_adapter
 from quantkit.models.moe import checkpoint_name, unfuse_experts
 from quantkit.nn.qlinear import QuantLinear
-from quantkit.qtensor import QuantizationError
+from quantkit.qtensor import QuantizationError, QuantizedWeight
+from quantkit.quantizers.qqq_grids import recover_channel_scales
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -35,6 +37,22 @@ def _group_by_module(tensors: dict[str, torch.Tensor], marker: str) -> dict[str,
     return {p: {k[len(p) + 1:]: v for k, v in tensors.items() if k.startswith(p + ".")} for p in prefixes}
 
 
+def _quantkit_method(folder: Path) -> str | None:
+    """The method that wrote the export (its quantkit.json), None for another tool's export."""
+    meta = folder / "quantkit.json"
+    return json.loads(meta.read_text()).get("quant_config", {}).get("method") if meta.is_file() else None
+
+
+def _with_channel_scales(qw: QuantizedWeight, where: str) -> QuantizedWeight:
+    """QQQ's two-level W4A8 weight rebuilt from its stored group scales (exact: they are k * s_ch), so the layer
+    runs the two-level W4A8 kernels with the int8 weights the quantizer produced."""
+    channel = recover_channel_scales(qw.scales)
+    if channel is None:
+        raise QuantizationError(f"{where}: a QQQ export whose group scales are not integer multiples of a per-channel "
+                                "scale: it was not written by quantkit's QQQ, or was modified")
+    return dataclasses.replace(qw, channel_scales=channel)
+
+
 def load_quantized(
     folder: str | Path, dtype: torch.dtype = torch.float16
 ) -> tuple[PreTrainedModel, object]:
@@ -50,8 +68,11 @@ def load_quantized(
     if adapter is not None:  # per-expert tensors load into the per-expert form quantization wrote
         unfuse_experts(model, adapter)
     tensors = {checkpoint_name(model, k, reverse=True): v for k, v in _read_tensors(folder).items()}
+    two_level = scheme.act_bits == 8 and _quantkit_method(folder) == "qqq"
     for prefix, module_tensors in _group_by_module(tensors, fmt.marker_tensor).items():
         qw = fmt.unpack(module_tensors, qconfig)
+        if two_level and qw.group_size != -1:
+            qw = _with_channel_scales(qw, f"{folder}: {prefix}")
         bias = module_tensors.get("bias")
         qlinear = QuantLinear.from_quantized(qw, bias, dtype, act_bits=scheme.act_bits)
         parent, _, child = prefix.rpartition(".")

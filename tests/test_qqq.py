@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from quantkit.config import QuantConfig
 from quantkit.engine import capture_layer_inputs, quantize_model
+from quantkit.kernels import unsupported_reason
 from quantkit.export import export_checkpoint, quantized_modules
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear, quantize_activations_per_token
@@ -27,7 +28,7 @@ from quantkit.quantizers.context import LayerContext
 from quantkit.quantizers.gptq import GPTQOptions, gptq_quantize
 from quantkit.quantizers.int8_matmul import int8_matmul
 from quantkit.quantizers.qqq import QQQOptions, QQQQuantizer
-from quantkit.quantizers.qqq_grids import Int8Weight, PerChannelGrid, make_grid
+from quantkit.quantizers.qqq_grids import Int8Weight, PerChannelGrid, make_grid, recover_channel_scales
 from quantkit.quantizers.qqq_probe import SmoothingProbe, matmul_probe, module_probe
 from quantkit.quantizers.qqq_search import (
     SmoothingChoice,
@@ -398,7 +399,23 @@ def test_w4a8_end_to_end_beats_gptq_and_rtn_and_reloads(tmp_path, group_size: in
         r = reloaded.get_submodule(name)
         assert isinstance(r, QuantLinear) and r.act_bits == 8
         torch.testing.assert_close(r.dequantized_weight(), q.dequantized_weight().float(), rtol=0, atol=0)
+        if group_size != -1:  # two-level again: the same int8 weights and per-channel scales, so the same kernels
+            assert torch.equal(r.channel_scales, q.channel_scales) and torch.equal(r.scales, q.scales.float())
+            assert "one-level" not in (unsupported_reason(r) or "")  # on a GPU: the two-level W4A8 kernels
     with torch.no_grad():  # the export stored embeddings and norms in fp16; int8 rounding magnifies that
         for p in model.parameters():
             p.copy_(p.half())
     torch.testing.assert_close(reloaded(calib.input_ids).logits, model(calib.input_ids).logits)
+
+
+def test_channel_scales_are_read_back_from_two_level_group_scales() -> None:
+    """Every row TwoLevelGrid makes gives its own s_ch back from the stored s_g = k * s_ch (fp16, as exported);
+    group scales not made that way give None."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 8, 32, generator=gen) * torch.logspace(-3, 1, 64)[:, None, None]
+    grid = make_grid(32)
+    group_scales, _ = grid.qparams(weight)
+    stored = group_scales.to(torch.float16).float()
+    assert torch.equal(stored, group_scales)  # exact in fp16
+    assert torch.equal(recover_channel_scales(stored), grid.channel_scales)
+    assert recover_channel_scales(stored * torch.linspace(1, 1.01, 8)) is None

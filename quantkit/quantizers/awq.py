@@ -8,25 +8,34 @@ Per decoder layer, before any linear is quantized (Method.smooth_layer):
    r = 0, 1/20, ..., 19/20, s = x̄^r (duo scaling: x̄^r / w̄^(1-r), w̄ the mean |W| normalised by each
    quantization group's max), normalised by sqrt(max s * min s). The loss of r is the MSE of the
    inspected block's output (attention, MLP, or the linears themselves) when the linears hold
-   Q(W s) / s instead of W, on the same inputs. The best s is folded (quantkit.smoothing): prev's
-   outputs / s and the linears' input columns * s, which leaves the layer's function unchanged.
+   Q(W s) / s instead of W, on the same inputs. By default ("refine") every 4th ratio is scored, then
+   the two neighbours at half the step around the best so far down to single steps: 9 of 20 ratios,
+   exactly the full grid's minimum where the loss is unimodal in r (`--awq-search grid` scores all 20).
+   s = 1 is always a candidate (duo scaling's grid does not hold it): a group whose best ratio does not
+   score strictly below it stays unscaled, so the search never ends worse than no scaling on its own
+   objective. The best s is folded (quantkit.smoothing): prev's outputs / s and the linears' input
+   columns * s, which leaves the layer's function unchanged.
 2. Clip search on every linear but q and k (their errors meet in the q·k product, which a per-linear
    output error does not see): per quantization group, the max |w| shrunk by 5% steps down to 0.55
-   that minimises the group's partial-output MSE on ~512 sampled tokens. The weights are clamped to
-   it, so the min-max RTN that follows sees exactly the searched range.
-3. Every linear is quantized by RTN, as `rtn` does.
+   that minimises the group's partial-output MSE on ~512 sampled tokens (no clip is the first step).
+   The groups' errors add up to a row's whole output error only on average, so a row whose chosen clips
+   raise that error on the same tokens keeps every group unclipped. The weights are clamped to the
+   result, so the min-max RTN that follows sees exactly the searched range.
+3. Every linear is quantized by RTN, as `rtn` does. The engine's guard (quantkit.layer_guard) then
+   compares the layer's output error with plain RTN's and keeps the lower.
 
 Q in both searches is that same RTN (rtn_fake_quantize, rtn_quantize's values: min-max grid containing zero, fp16-rounded
 scales), so the searched losses are those of the weights that are exported.
 
 Follows AutoAWQ (awq/quantize/quantizer.py: _search_best_scale, _compute_best_scale,
 _search_best_clip, _compute_best_clip) and llm-compressor's AWQModifier (modifiers/awq/base.py:
-_compute_best_scale; the same grid and scale formula). Differences: padding tokens never enter the
-statistics or the losses; x̄ stays in fp32 (AutoAWQ casts it back to fp16); groups without an
-inspected block compute their output error directly as X (Q(W s)/s - W)^T; clip errors come from
-per-group batched matrix products instead of a broadcast [out, tokens, groups, group] product; a
-ratio with a non-finite loss is passed over and a group with non-finite activations, or none at
-all, keeps s = 1 (AutoAWQ raises).
+_compute_best_scale; the same grid and scale formula, no clip search). Differences: padding tokens never
+enter the statistics or the losses; x̄ stays in fp32 (AutoAWQ casts it back to fp16); s = 1 is always
+scored, and the ratio search refines instead of scoring every ratio; groups without an inspected block
+compute their output error directly as X (Q(W s)/s - W)^T; clip errors come from per-group batched matrix
+products instead of a broadcast [out, tokens, groups, group] product, and a clip is checked against the
+whole row; a ratio with a non-finite loss is passed over and a group with non-finite activations, or none
+at all, keeps s = 1 (AutoAWQ raises).
 """
 
 from __future__ import annotations

@@ -54,6 +54,24 @@ class TwoLevelGrid:
         return multiple * channel[:, None], torch.full_like(multiple, ZERO)
 
 
+def recover_channel_scales(group_scales: torch.Tensor) -> torch.Tensor | None:
+    """The per-channel scales of two-level group scales [rows, groups] as TwoLevelGrid makes them (s_g = k * s_ch,
+    k an integer in [1, 16], s_ch with CHANNEL_SCALE_BITS significant bits, the row's largest k 15 or 16), read back
+    from the s_g an export stores; None if some row has no such s_ch (the scales were not made that way).
+
+    Per row the largest k first: s_ch = max s_g / k, kept when every s_g is exactly an integer multiple of it."""
+    scales = group_scales.float()
+    top = scales.amax(dim=1)
+    found = torch.zeros_like(top)
+    for k in range(MAX_GROUP_MULTIPLE, 0, -1):
+        channel = top / k
+        multiple = (scales / channel[:, None]).round()
+        exact = (multiple * channel[:, None] == scales) & (multiple >= 1) & (multiple <= MAX_GROUP_MULTIPLE)
+        valid = exact.all(dim=1) & (_round_up_to_bits(channel, CHANNEL_SCALE_BITS) == channel) & (found == 0)
+        found = torch.where(valid, channel, found)
+    return found if bool((found > 0).all()) else None
+
+
 def make_grid(group_size: int, scale_dtype: torch.dtype = torch.float16) -> PerChannelGrid | TwoLevelGrid:
     """Two-level scales are exact in fp16 and bf16 alike; per-channel ones are rounded to scale_dtype."""
     return PerChannelGrid(scale_dtype) if group_size == -1 else TwoLevelGrid()
