@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from quantkit.kernels import unsupported_reason
 from realmodel import with_act_bits
 from safetensors.torch import load_file
 from test_adapters import TINY, tiny_model
@@ -18,7 +19,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from quantkit.config import QuantConfig
 from quantkit.engine import capture_layer_inputs, quantize_model
-from quantkit.kernels import unsupported_reason
 from quantkit.export import export_checkpoint, quantized_modules
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear, quantize_activations_per_token
