@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -312,9 +313,28 @@ def test_check_rejects_what_the_format_cannot_hold(fmt: str, options: dict, mess
         get_format(fmt).check(QuantConfig(**options).validate())
 
 
-@pytest.mark.parametrize("options", [{}, {"sym": False}, {"bits": 8, "group_size": -1}, {"act_bits": 8}])
-def test_compressed_tensors_holds_every_valid_scheme(options: dict) -> None:
-    get_format("compressed-tensors").check(QuantConfig(**options).validate())
+# What each format holds, (bits, sym, act_bits) over every valid scheme (any group size): the README's format table.
+HOLDS = {
+    "compressed-tensors": {(4, True, 16), (4, False, 16), (8, True, 16), (8, False, 16), (4, True, 8)},
+    "gptq": {(4, True, 16), (8, True, 16)},
+    "awq": {(4, True, 16), (4, False, 16)},
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(HOLDS))
+def test_each_format_holds_exactly_its_schemes(fmt: str) -> None:
+    held = set()
+    for bits, sym, act_bits, group in itertools.product((4, 8), (True, False), (16, 8), (-1, 32, 64, 128)):
+        try:
+            config = QuantConfig(method="rtn", bits=bits, sym=sym, act_bits=act_bits, group_size=group).validate()
+        except QuantizationError:
+            continue  # not a valid scheme at all (W4A8 needs 4-bit symmetric weights)
+        try:
+            get_format(fmt).check(config)
+        except QuantizationError:
+            continue
+        held.add((bits, sym, act_bits))
+    assert held == HOLDS[fmt]
 
 
 def test_unknown_format_and_method() -> None:

@@ -39,9 +39,9 @@ class CheckpointFormat(ABC):
     quant_method: ClassVar[str]  # quantization_config["quant_method"] in config.json
     marker_tensor: ClassVar[str]  # present exactly in the modules this format quantized
 
-    @abstractmethod
-    def check(self, config: QuantConfig) -> None:
-        """Raise QuantizationError when this format cannot hold the scheme `config` describes."""
+    def check(self, config: QuantConfig) -> None:  # noqa: B027 - a format holding every valid scheme keeps it
+        """Raise QuantizationError when this format cannot hold the scheme `config` describes (by default it holds
+        every scheme QuantConfig.validate accepts)."""
 
     @abstractmethod
     def pack(self, qw: QuantizedWeight, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -82,9 +82,6 @@ class CompressedTensorsFormat(CheckpointFormat):
     quant_method = "compressed-tensors"
     marker_tensor = "weight_packed"
 
-    def check(self, config: QuantConfig) -> None:
-        """Every scheme QuantConfig.validate accepts (4/8 bits, any group, sym/asym, W4A8) fits."""
-
     def pack(self, qw: QuantizedWeight, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         tensors = {
             "weight_packed": pack_int32(qw.codes, qw.bits, dim=1),
