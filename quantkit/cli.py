@@ -303,7 +303,7 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
     from quantkit.models import get_adapter, load_model
     from quantkit.models.loading import default_dtype, load_tokenizer
     from quantkit.outputs import output_lock
-    from quantkit.preflight import check_quantize_request, resolve_device
+    from quantkit.preflight import check_quantize_request, check_writable_folder, resolve_device
     from quantkit.quantizers.base import method_class
     from quantkit.streaming import open_streamed_model, streamable_reason
 
@@ -324,6 +324,7 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
         console.print(f"{method} fixes " + ", ".join(f"{k}={v}" for k, v in planned.method_fixes().items()))
     if output is None:
         output = default_output(model, method, bits, planned.act_bits, group_size)
+    check_writable_folder("--output", output)  # before the lock beside it is made
     with output_lock(output):  # one run per output, from its checks to its export
         check_quantize_request(source=model, calib=calib, output=output, overwrite=overwrite, nsamples=nsamples,
                                seqlen=seqlen, batch_size=batch_size, eval_windows=eval_windows if evaluate else None,
