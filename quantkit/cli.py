@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from quantkit.config import check_option_value, option_spec
+from quantkit.config import QuantConfig, check_option_value, option_spec
 from quantkit.qtensor import QuantizationError
 from quantkit.streaming.workdir import RESUME_INTERVAL_S
 
@@ -143,7 +143,7 @@ def _heldout_ppl(model, tokenizer, windows: int, seqlen: int) -> dict[str, float
 def quantize(
     ctx: typer.Context,
     model: Annotated[str | None, typer.Argument(help="HF folder, .gguf file or hub name; default: embedded SmolLM2-135M")] = None,
-    method: Annotated[str, typer.Option(help="quantization method")] = "awq-gptq",  # choices: quantize_signature
+    method: Annotated[str, typer.Option(help="quantization method")] = QuantConfig.method,  # choices: quantize_signature
     bits: Annotated[int, typer.Option(help="weight bits: 4 or 8")] = 4,
     group_size: Annotated[str, typer.Option(help="-1 (per channel), 32, 64, 128 or auto")] = "auto",
     asym: Annotated[bool, typer.Option("--asym", help="asymmetric (zero-point) weights")] = False,
@@ -295,7 +295,6 @@ quantize.__signature__ = quantize_signature()  # type: ignore[attr-defined]
 def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, nsamples, seqlen, seed, chat_template,
               output, overwrite, dtype, device, batch_size, evaluate, eval_windows, trust_remote_code, allow_pickle,
               verbose, moe_all_tokens, resume, resume_interval, offload_dir, **method_options) -> None:
-    from quantkit.config import QuantConfig
     from quantkit.data import build_calibration_set, load_passages
     from quantkit.engine import quantize_model
     from quantkit.export import export_checkpoint, export_dtype, scale_dtype_for

@@ -20,6 +20,7 @@ import torch
 from quantkit.qtensor import QuantizationError
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
+LEGACY_METHOD = "gptq"  # the method of a stored quant_config that names none (exports before methods were named)
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _SPEC = "quantkit.option"
 
@@ -104,7 +105,7 @@ Options = TypeVar("Options", bound=MethodOptions)
 
 @dataclass
 class QuantConfig:
-    method: str = "gptq"
+    method: str = "awq-gptq"  # the default method, of the CLI too
     bits: int = 4
     group_size: int = 128  # -1: per output channel
     sym: bool = True
@@ -191,7 +192,7 @@ class QuantConfig:
         """Reads to_dict()'s shape, and the flat quant_config of older exports (every method's options side by
         side, AWQ's as awq_*): options of other methods are ignored, keys no method knows are an error."""
         scheme_keys = {f.name for f in fields(cls)} - {"options"}
-        method = values.get("method", cls.method)
+        method = values.get("method", LEGACY_METHOD)
         options = values.get("options", values)
         unknown = set(values) - scheme_keys - {"options"} if "options" in values else set()
         unknown |= set(options) - scheme_keys - _all_option_keys()

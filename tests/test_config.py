@@ -9,6 +9,7 @@ import pytest
 from quantkit.config import QuantConfig
 from quantkit.qtensor import QuantizationError
 from quantkit.quantizers.awq import AWQOptions
+from quantkit.quantizers.awq_gptq import AWQGPTQOptions
 from quantkit.quantizers.gptq import GPTQOptions
 from quantkit.quantizers.qqq import QQQOptions
 from quantkit.quantizers.rtn import RTNOptions
@@ -52,7 +53,7 @@ def test_to_dict_reads_back(changes: dict, expected: QuantConfig) -> None:
 
 
 def test_defaults_are_the_methods_options() -> None:
-    assert QuantConfig().options == GPTQOptions()
+    assert QuantConfig().method == "awq-gptq" and QuantConfig().options == AWQGPTQOptions()  # the CLI's default
     assert QuantConfig(method="awq").options == AWQOptions()
     assert QuantConfig.from_dict({"method": "qqq"}) == QuantConfig(method="qqq")
 
@@ -86,7 +87,7 @@ def test_invalid_options_are_one_clear_line(make, message: str) -> None:
 
 
 def test_label_names_act_order_only_where_it_is_a_choice() -> None:
-    assert QuantConfig(group_size=64, options=GPTQOptions(act_order=True)).label() == "gptq W4A16 g64 sym act-order"
+    assert QuantConfig(method="gptq", group_size=64, options=GPTQOptions(act_order=True)).label() == "gptq W4A16 g64 sym act-order"
     assert QuantConfig(method="rtn", group_size=-1).label() == "rtn W4A16 per-channel sym"
     qqq = QuantConfig(method="qqq", act_bits=8, options=QQQOptions(act_order=True))
     assert qqq.label() == "qqq W4A8 g128 sym"
