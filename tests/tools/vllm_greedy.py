@@ -25,12 +25,15 @@ otherwise). Everything that reads the checkpoint (weight loaders, repacking into
 still vLLM's own code; only the final matmul on the repacked weights is ours.
 
 Exit status: 0 on success, 2 when vLLM could not load the checkpoint, 3 when generation failed; the
-error goes to stderr.
+error goes to stderr. Given several checkpoints, it serves them one after another in this process (one vLLM
+start-up for all), writes NAME.json per checkpoint into the --out folder (a failure as {"checkpoint", "error",
+"stage"}) and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -119,12 +122,14 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("checkpoint", type=Path, help="Hugging Face checkpoint folder")
+    parser.add_argument("checkpoints", type=Path, nargs="+",
+                        help="Hugging Face checkpoint folders, served one after another in this process")
     parser.add_argument(
         "--prompts-json", type=Path, required=True, help="JSON list of strings or token-id lists"
     )
     parser.add_argument("--max-tokens", type=int, required=True, help="tokens to generate per prompt")
-    parser.add_argument("--out", type=Path, required=True, help="where to write the result JSON")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="the result JSON; with several checkpoints a folder, one NAME.json each")
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -187,35 +192,33 @@ def to_vllm_prompt(prompt: str | list[int]) -> Any:
     return prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
 
 
-def main() -> int:
-    args = parse_args()
-    prompts = load_prompts(args.prompts_json)
+class RunError(Exception):
+    """A checkpoint that did not load (stage "load", exit 2) or did not generate (stage "generate", exit 3)."""
 
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+def serve(checkpoint: Path, args: argparse.Namespace, prompts: list, wna16_gemm: str) -> dict[str, Any]:
+    """Load one checkpoint, greedy-decode the prompts, and return the result (raises RunError)."""
     from vllm import LLM, SamplingParams  # imported late: it is slow and the env vars above must come first
 
-    wna16_gemm = install_wna16_gemm_if_missing()
-    if wna16_gemm == "reference":
-        print(
-            "vllm has no cpu_gemm_wna16 on this CPU (AVX2 build): 4-bit layers use this script's reference GEMM"
-        )
     start = time.perf_counter()
     try:
         llm = LLM(
-            model=str(args.checkpoint),
+            model=str(checkpoint),
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             enforce_eager=True,  # torch.compile on CPU costs minutes and changes nothing we test
             kv_cache_memory_bytes=KV_CACHE_BYTES,
             seed=0,
             # A checkpoint without tokenizer files (a test's tiny model) takes token-id prompts only.
-            skip_tokenizer_init=not any((args.checkpoint / name).exists() for name in TOKENIZER_FILES),
+            skip_tokenizer_init=not any((checkpoint / name).exists() for name in TOKENIZER_FILES),
         )
     except Exception as error:  # vLLM raises many types; all mean "this checkpoint doesn't load"
         traceback.print_exc()
-        print(
-            f"error: vLLM could not load {args.checkpoint}: {type(error).__name__}: {error}", file=sys.stderr
-        )
-        return 2
+        raise RunError("load", f"vLLM could not load {checkpoint}: {type(error).__name__}: {error}") from error
     load_seconds = time.perf_counter() - start
 
     model_config = llm.llm_engine.model_config
@@ -233,12 +236,12 @@ def main() -> int:
         outputs = llm.generate([to_vllm_prompt(p) for p in prompts], sampling, use_tqdm=False)
     except Exception as error:
         traceback.print_exc()
-        print(f"error: vLLM generation failed: {type(error).__name__}: {error}", file=sys.stderr)
-        return 3
+        raise RunError("generate", f"vLLM generation failed: {type(error).__name__}: {error}") from error
     generate_seconds = time.perf_counter() - start
-
-    result = {
-        "checkpoint": str(args.checkpoint),
+    del llm
+    gc.collect()
+    return {
+        "checkpoint": str(checkpoint),
         "quantization": model_config.quantization,
         "dtype": str(model_config.dtype).removeprefix("torch."),
         "linear_methods": linear_methods,
@@ -255,8 +258,35 @@ def main() -> int:
             for prompt, output in zip(prompts, outputs, strict=True)
         ],
     }
-    args.out.write_text(json.dumps(result, ensure_ascii=False, indent=1))
-    print(f"wrote {args.out}: load {load_seconds:.1f} s, generate {generate_seconds:.1f} s")
+
+
+def main() -> int:
+    """One checkpoint: its JSON at --out, exit 2 / 3 when it fails. Several (one vLLM start-up for all): each
+    NAME.json in the --out folder, a failure written there as {"checkpoint", "error", "stage"}, exit 0."""
+    args = parse_args()
+    prompts = load_prompts(args.prompts_json)
+    if len(args.checkpoints) > 1 and args.dump_weights is not None:
+        print("error: --dump-weights takes one checkpoint", file=sys.stderr)
+        return 2
+    wna16_gemm = install_wna16_gemm_if_missing()
+    if wna16_gemm == "reference":
+        print(
+            "vllm has no cpu_gemm_wna16 on this CPU (AVX2 build): 4-bit layers use this script's reference GEMM"
+        )
+    single = len(args.checkpoints) == 1
+    if not single:
+        args.out.mkdir(parents=True, exist_ok=True)
+    for checkpoint in args.checkpoints:
+        out = args.out if single else args.out / f"{checkpoint.name}.json"
+        try:
+            result = serve(checkpoint, args, prompts, wna16_gemm)
+        except RunError as error:
+            print(f"error: {error}", file=sys.stderr)
+            if single:
+                return 2 if error.stage == "load" else 3
+            result = {"checkpoint": str(checkpoint), "error": str(error), "stage": error.stage}
+        out.write_text(json.dumps(result, ensure_ascii=False, indent=1))
+        print(f"wrote {out}")
     return 0
 
 
