@@ -6,8 +6,9 @@
 2. Per layer, on the work device: the method's smoothing step; then for each sequential step,
    hook the step's linears, run the layer over the calibration batches feeding each hook the
    non-padding tokens, quantize those linears and write their dequantized weights back; finally
-   recompute the layer's outputs (the next layer's inputs) with every linear quantized, swap the
-   linears for QuantLinear modules and move the layer back to the CPU.
+   recompute the layer's outputs (the next layer's inputs) with every linear quantized; the no-harm guard
+   (quantkit.layer_guard) compares their error with plain RTN's of the untouched layer and falls back to RTN
+   where RTN's is lower; swap the linears for QuantLinear modules and move the layer back to the CPU.
 Only the layer being worked on, its statistics and the hidden states live on the work device.
 """
 
