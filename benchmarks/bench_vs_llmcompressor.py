@@ -198,11 +198,19 @@ def quantize_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
     start = time.perf_counter()
     report = quantize_model(model, get_adapter(model), CalibrationSet(**load_calibration(args)), config,
                             device="cpu", show_progress=False)
-    entry = {"scheme": config.label(), "quantize_s": round(time.perf_counter() - start),
-             "rtn_fallback_layers": [layer["layer"] for layer in report.layers
-                                     if layer.get("guard", {}).get("fallback")]}
+    entry = {"scheme": config.label(), "quantize_s": round(time.perf_counter() - start), **guard_counts(report)}
     torch.save({"key": key, "model": model, "entry": entry}, cache)
     return model, entry
+
+
+def guard_counts(report) -> dict:
+    """What the no-harm rules did: layers that fell back to RTN, AWQ groups left unscaled (no ratio scored below
+    s = 1) out of all, clipped rows put back unclipped."""
+    smoothing = [layer.get("smoothing", {}) for layer in report.layers]
+    groups = [g for s in smoothing for g in s.get("scales", {}).values()]
+    return {"rtn_fallback_layers": [layer["layer"] for layer in report.layers if layer.get("guard", {}).get("fallback")],
+            "unscaled_groups": sum(s.get("unscaled_groups", 0) for s in smoothing), "awq_groups": len(groups),
+            "unclipped_rows": sum(c.get("unclipped_rows", 0) for s in smoothing for c in s.get("clip", {}).values())}
 
 
 def load_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
