@@ -225,9 +225,27 @@ def load_row(args: argparse.Namespace, name: str) -> tuple[nn.Module, dict]:
         return load_model(model_source(args))[0], {}
     if name == "fp-hf":
         return load_model(work_dir(args) / "hf")[0], {}
-    folder = work_dir(args) / name
-    return load_quantized(folder, dtype=torch.float32)[0], {"scheme": export_scheme(folder),
-                                                           "quantize_s": int((folder / "quantize_s.txt").read_text())}
+    base, _, served = name.partition(SERVED)
+    folder = work_dir(args) / base
+    model = load_quantized(folder, dtype=torch.float32)[0]
+    if served:
+        round_scales(model, getattr(torch, served))
+    return model, {"scheme": export_scheme(folder), "quantize_s": int((folder / "quantize_s.txt").read_text())}
+
+
+# llmc-TOOL@float16: llm-compressor's export with its scales as vLLM serves them in fp16. On these fp32 models its
+# exports hold fp32 scales, which no fp16/bf16 serving engine keeps; quantkit rounds its scales to the served dtype
+# before any error compensation (QuantConfig.scale_dtype), so this row is the like-for-like one.
+SERVED = "@"
+
+
+def round_scales(model: nn.Module, dtype: torch.dtype) -> None:
+    from quantkit.nn.qlinear import QuantLinear
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, QuantLinear):
+                module.scales.copy_(module.scales.to(dtype).float())
 
 
 def export_scheme(folder: Path) -> str:
@@ -322,12 +340,15 @@ def run_llmc(args: argparse.Namespace) -> None:
 ROW_LABELS = {"fp": "fp32 (the GGUF, dequantized)", "fp-hf": "fp32 (its safetensors copy, llm-compressor's input)",
               "llmc-rtn": "llm-compressor RTN", "llmc-gptq": "llm-compressor GPTQ", "llmc-awq": "llm-compressor AWQ",
               "rtn-asym": "quantkit rtn, asymmetric", "awq-sym": "quantkit awq, symmetric",
+              "llmc-rtn@float16": "llm-compressor RTN, scales served in fp16",
+              "llmc-gptq@float16": "llm-compressor GPTQ, scales served in fp16",
+              "llmc-awq@float16": "llm-compressor AWQ, scales served in fp16",
               "llmc-autoround": f"AutoRound, {AUTOROUND_PAGE_ITERS} iterations (via llm-compressor)",
               "llmc-autoround-200": "AutoRound, 200 iterations (via llm-compressor)",
               "awq-noduo": "quantkit awq, activation-only scales",
               "awq-noduo-noclip": "quantkit awq, activation-only scales, no clip search"}
-ROW_ORDER = ["fp", "fp-hf", "rtn", "llmc-rtn", "rtn-asym", "gptq", "llmc-gptq", "awq-sym", "awq", "awq-noduo",
-             "awq-noduo-noclip", "llmc-awq", "qqq",
+ROW_ORDER = ["fp", "fp-hf", "rtn", "llmc-rtn", "llmc-rtn@float16", "rtn-asym", "gptq", "llmc-gptq",
+             "llmc-gptq@float16", "awq-sym", "awq", "awq-noduo", "awq-noduo-noclip", "llmc-awq", "llmc-awq@float16", "qqq",
              "awq-gptq", "llmc-autoround", "llmc-autoround-200"]  # the tables' order; rows not named here come last
 
 
