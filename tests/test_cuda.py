@@ -129,3 +129,33 @@ def test_decode_attention_on_the_gpu_takes_every_row_tile(head_dim: int, group: 
     positions = torch.arange(600, 600 + tokens, device="cuda")
     assert relative_error(decode_attention(q, k, v, positions, head_dim ** -0.5),
                           decode_attention_reference(q, k, v, positions, head_dim ** -0.5)) < 4e-3
+
+
+def test_a_reloaded_qqq_export_runs_the_two_level_w4a8_kernels(tmp_path) -> None:
+    """QQQ g64 quantized on the GPU (the no-harm guard's extra forwards there too), exported, reloaded and moved to
+    the GPU: every layer is two-level again, has its kernel, and the kernels compute what the reference path does."""
+    from test_adapters import tiny_model
+
+    from quantkit.config import QuantConfig
+    from quantkit.data import CalibrationSet
+    from quantkit.engine import quantize_model
+    from quantkit.export import export_checkpoint, quantized_modules
+    from quantkit.models import get_adapter
+    from quantkit.reload import load_quantized
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    config = QuantConfig(method="qqq", group_size=32)
+    quantize_model(model, get_adapter(model), CalibrationSet(ids, torch.ones_like(ids)), config, device="cuda",
+                   show_progress=False)
+    folder = export_checkpoint(model.cpu(), None, tmp_path / "qqq", config, "compressed-tensors", dtype="float16")
+    reloaded, _ = load_quantized(folder, dtype=torch.float16)
+    reloaded.cuda()
+    for name, layer in quantized_modules(reloaded).items():
+        x = torch.randn(3, layer.in_features, device="cuda", dtype=torch.float16)
+        assert layer.channel_scales is not None and layer._kernel is not None, name
+        assert relative_error(layer(x), layer.reference_forward(x)) < 1e-2, name
+    awq = tiny_model("llama")
+    report = quantize_model(awq, get_adapter(awq), CalibrationSet(ids, torch.ones_like(ids)),
+                            QuantConfig(method="awq", group_size=32), device="cuda", show_progress=False)
+    assert all("output_error" in layer["guard"] for layer in report.layers)
