@@ -67,7 +67,7 @@ def check_group_size(in_features: int, group_size: int) -> int:
 
 
 # The largest scale each scale dtype holds that fp16 holds too (the GPTQ and AWQ formats store fp16 scales).
-SCALE_MAX = {torch.float16: 65504.0, torch.bfloat16: 65280.0}
+SCALE_MAX = {torch.float16: 65504.0, torch.bfloat16: 65280.0, torch.float32: 3.0e38}
 
 
 def round_scale(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
