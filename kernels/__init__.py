@@ -19,7 +19,9 @@ The package, from the ground up (a module imports only those above it; the house
 """
 
 # Python started in the repository root puts this folder on sys.path as a top-level `kernels`, the name of the
-# PyPI package transformers imports: handed over to that package, so the checkout imports as an install does.
+# PyPI package transformers imports: handed over to that package where it is installed, so the checkout imports as
+# an install does. Where it is not (vLLM's own environment), this folder stays what `kernels` names, as before.
+_spec = None
 if __name__ == "kernels":
     import importlib.machinery
     import importlib.util
@@ -29,8 +31,7 @@ if __name__ == "kernels":
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _spec = importlib.machinery.PathFinder.find_spec(
         __name__, [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
-    if _spec is None or _spec.loader is None:
-        raise ModuleNotFoundError(f"No module named {__name__!r}", name=__name__)
+if _spec is not None and _spec.loader is not None:
     sys.modules[__name__] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules[__name__])
 else:
