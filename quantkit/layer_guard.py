@@ -12,7 +12,6 @@ and the log says so.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -23,7 +22,7 @@ from torch.func import functional_call
 from quantkit.config import QuantConfig
 from quantkit.qtensor import QuantizedWeight
 from quantkit.quantizers.context import LayerContext
-from quantkit.quantizers.rtn import RTNQuantizer
+from quantkit.quantizers.rtn import rtn_quantize
 
 log = logging.getLogger("quantkit")
 
@@ -35,13 +34,8 @@ def snapshot(layer: nn.Module) -> dict[str, torch.Tensor]:
 
 def rtn_weights(original: dict[str, torch.Tensor], names: Iterable[str], config: QuantConfig) -> dict[str, QuantizedWeight]:
     """RTN of each named linear's original weight on the method's grid (bits, group size, symmetry, scale dtype)."""
-    rtn_config = dataclasses.replace(config, method="rtn", options=None)
-    results = {}
-    for name in names:
-        stand_in = nn.Linear(1, 1, bias=False)
-        stand_in.weight = nn.Parameter(original[f"{name}.weight"], requires_grad=False)
-        results[name] = RTNQuantizer(stand_in, rtn_config).quantize()
-    return results
+    return {name: rtn_quantize(original[f"{name}.weight"], config.bits, config.group_size, config.sym, False,
+                               config.scale_torch_dtype) for name in names}
 
 
 @torch.no_grad()
