@@ -21,7 +21,7 @@ from torch.func import functional_call
 
 from quantkit.config import QuantConfig
 from quantkit.qtensor import QuantizedWeight
-from quantkit.quantizers.context import LayerContext
+from quantkit.quantizers.context import LayerContext, first_output
 from quantkit.quantizers.rtn import rtn_quantize
 
 log = logging.getLogger("quantkit")
@@ -46,17 +46,13 @@ def output_errors(ctx: LayerContext, quantized: Iterable[torch.Tensor], original
     for batch, (x, kwargs, mask, out) in enumerate(zip(ctx.inputs, ctx.kwargs, ctx.token_masks, quantized,
                                                         strict=True)):
         ctx.current_mask, ctx.current_batch = mask, batch  # MoE blocks route the real tokens only
-        reference = _first(functional_call(ctx.layer, original, (x,), kwargs))
-        with_rtn = _first(functional_call(ctx.layer, {**original, **rtn}, (x,), kwargs))
+        reference = first_output(functional_call(ctx.layer, original, (x,), kwargs))
+        with_rtn = first_output(functional_call(ctx.layer, {**original, **rtn}, (x,), kwargs))
         reference = ctx.real_tokens(reference).double()
         method_error += float((ctx.real_tokens(out).double() - reference).pow(2).sum())
         rtn_error += float((ctx.real_tokens(with_rtn).double() - reference).pow(2).sum())
     ctx.current_mask = ctx.current_batch = None
     return method_error, rtn_error
-
-
-def _first(output):
-    return output[0] if isinstance(output, tuple) else output
 
 
 @torch.no_grad()

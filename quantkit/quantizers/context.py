@@ -13,6 +13,11 @@ from torch import nn
 from quantkit.models.adapters import ArchAdapter
 
 
+def first_output(output):
+    """A decoder layer's or block's hidden states: transformers modules return them alone or first in a tuple."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 class StopForward(Exception):
     """Raised by a hook once what it waits for has run: the rest of the forward pass need not."""
 
@@ -42,7 +47,7 @@ class LayerContext:
         for batch, (x, kwargs, mask) in enumerate(zip(self.inputs, self.kwargs, self.token_masks, strict=True)):
             self.current_mask, self.current_batch = mask, batch
             out = self.layer(x, **kwargs)
-            outputs.append(out[0] if isinstance(out, tuple) else out)
+            outputs.append(first_output(out))
         self.current_mask = self.current_batch = None
         return outputs
 
