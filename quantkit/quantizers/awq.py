@@ -53,7 +53,7 @@ from quantkit.config import QuantConfig, option
 from quantkit.models.adapters import ScalingGroup
 from quantkit.qtensor import QuantizationError, check_group_size
 from quantkit.quantizers.base import LinearQuantizer, Method, register
-from quantkit.quantizers.context import LayerContext
+from quantkit.quantizers.context import LayerContext, first_output
 from quantkit.quantizers.rtn import RTNOptions, RTNQuantizer, rtn_fake_quantize
 from quantkit.smoothing import active_scaling_groups, fold_scales
 
@@ -67,9 +67,11 @@ CLIP_STEPS = 10
 CLIP_TOKENS = 512  # AutoAWQ n_sample_token: every (tokens // 512)-th token
 CLIP_ELEMENTS = 2**26  # bound on one output-channel batch's temporaries in the clip search
 UNCLIPPED = ("q_proj", "k_proj")
-# AutoAWQ scores scales on 128 x 512 tokens; the mean |x| still comes from every token. Each candidate reruns the
-# inspected block on the scored batches, so a larger calibration set would only multiply the search time.
-SEARCH_TOKENS = 128 * 512
+# Tokens each scale candidate is scored on (the first whole batches; the mean |x| still comes from every token). Each
+# candidate reruns the inspected block on them, so the search's time grows with them. AutoAWQ scores on all of its
+# 128 x 512; 8192 took AWQ on a Qwen2-0.5B layer (32 x 512 tokens, one thread) from 2.5x GPTQ's CPU time to 1.7x,
+# at the held-out perplexity of benchmarks/accuracy/VS_LLMCOMPRESSOR.md.
+SEARCH_TOKENS = 8192
 TrialWeight = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (W, candidate s) -> quantized W s, / s
 
 
@@ -127,10 +129,6 @@ def scaled_fake_quant(weight: torch.Tensor, scales: torch.Tensor, config: QuantC
     return (deq / scales).to(weight.dtype)
 
 
-def _first(output):
-    return output[0] if isinstance(output, tuple) else output
-
-
 @dataclass
 class _GroupData:
     """One capture pass for a scaling group: x̄'s sum over every batch, and what its loss needs of the first
@@ -179,7 +177,7 @@ def _capture(ctx: LayerContext, group: ScalingGroup, search_tokens: int) -> _Gro
 
     def keep_output(_m, _args, out) -> None:
         if scored():
-            data.outputs.append(ctx.real_tokens(_first(out)))
+            data.outputs.append(ctx.real_tokens(first_output(out)))
 
     handles = [ctx.module(group.input_of).register_forward_hook(on_linear)]  # the group shares its input
     if group.inspect is not None:
@@ -202,7 +200,7 @@ def _real_index(ctx: LayerContext) -> list[torch.Tensor]:
 def _block_error(block: nn.Module, data: _GroupData, index: list[torch.Tensor]) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=index[0].device)
     for (args, kwargs), reference, rows in zip(data.calls, data.outputs, index, strict=True):
-        out = _first(block(*args, **kwargs))
+        out = first_output(block(*args, **kwargs))
         out = out.reshape(-1, out.shape[-1]).index_select(0, rows)
         wide = _wide(out.dtype)
         total += (out.to(wide) - reference.to(wide)).pow(2).sum()
