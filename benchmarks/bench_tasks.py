@@ -2,9 +2,9 @@
 one `quantkit eval` report with fp and every quantized model, same items, same prompts.
 
     python benchmarks/bench_tasks.py --report benchmarks/accuracy/smollm2_tasks \
-        --runs rtn:64 gptq:64:ao awq:64:asym qqq:64:a8 --tasks arc_easy,arc_challenge,hellaswag,...,gsm8k:250
+        --runs rtn:64 gptq:64 awq:64:asym qqq:64:a8 --tasks arc_easy,arc_challenge,hellaswag,...,gsm8k:250
 
-Runs are bench_accuracy.py's METHOD:GROUP[:a8][:asym][:ao]; each model is quantized (calibration: the
+Runs are bench_accuracy.py's METHOD:GROUP[:a8][:asym][:noao]; each model is quantized (calibration: the
 shipped English+Korean set) when its turn comes, so only one quantized model lives at a time; each model's
 results are written as soon as it is done (REPORT/models/N.json), and `--merge REPORT` rebuilds the
 report from whatever is there. On a machine
@@ -37,8 +37,8 @@ ALL_TASKS = "arc_easy,arc_challenge,hellaswag,winogrande,piqa,boolq,mmlu,gsm8k"
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
-    parser.add_argument("--runs", nargs="+", default=["fp", "rtn:64", "gptq:64:ao", "awq:64:asym", "qqq:64:a8"],
-                        help="fp (unquantized) or METHOD:GROUP[:a8][:asym][:ao]")
+    parser.add_argument("--runs", nargs="+", default=["fp", "rtn:64", "gptq:64", "awq:64:asym", "qqq:64:a8"],
+                        help="fp (unquantized) or METHOD:GROUP[:a8][:asym][:noao]")
     parser.add_argument("--first-index", type=int, default=0, help="REPORT/models/N.json numbering (to add runs)")
     parser.add_argument("--tasks", default=ALL_TASKS, help="comma-separated, NAME or NAME:ITEMS")
     parser.add_argument("--limit", type=int, default=None, help="items per task without its own count")

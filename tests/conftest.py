@@ -101,3 +101,11 @@ def smollm2_recorder(smollm2_setup, request):
     recorder = NLLRecorder(request.module.REPORT, tokenizer, texts, windows=4)
     yield recorder
     recorder.write_report()
+
+
+@pytest.fixture(scope="module")
+def smollm2_runs(smollm2_setup, smollm2_recorder):
+    """SmolLM2 quantized once per configuration for the test file (realmodel.RealRuns)."""
+    from realmodel import RealRuns
+
+    return RealRuns(smollm2_setup[0], smollm2_setup[2], smollm2_recorder)

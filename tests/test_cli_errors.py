@@ -3,6 +3,7 @@ stderr naming the cause, no trace, and the filesystem exactly as it was (issue #
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -29,14 +30,48 @@ def tiny_model(tmp_path_factory, smollm2_gguf) -> Path:
     return folder
 
 
-def cli(*args: str, cwd: Path | None = None, env: dict[str, str | None] | None = None,
-        umask: int | None = None) -> subprocess.CompletedProcess:
-    """The installed command in a fresh process, offline; env values of None unset a variable."""
+FORKSERVER = Path(__file__).resolve().parent / "tools" / "cli_forkserver.py"
+# what the forked commands share with the server: a request that sets these another way runs in a new process
+READ_AT_IMPORT = ("PYTHONPATH", "PYTHONSAFEPATH", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT")
+_server: list[subprocess.Popen] = []
+
+
+def _environment(env: dict[str, str | None] | None) -> dict[str, str]:
+    """Offline, no debug; env values of None unset a variable."""
     environment = {**os.environ, "PYTHONSAFEPATH": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                    "QUANTKIT_DEBUG": None, **(env or {})}
-    environment = {k: v for k, v in environment.items() if v is not None}
-    return subprocess.run([sys.executable, "-m", "quantkit", *args], cwd=cwd, env=environment, capture_output=True,
-                          text=True, timeout=600, preexec_fn=None if umask is None else lambda: os.umask(umask))
+    return {k: v for k, v in environment.items() if v is not None}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forkserver():
+    """One process that imported the CLI; each command runs in a fork of it (tests/tools/cli_forkserver.py)."""
+    server = subprocess.Popen([sys.executable, str(FORKSERVER)], env=_environment(None), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert json.loads(server.stdout.readline()) == {"ready": True}
+    _server.append(server)
+    yield
+    _server.clear()
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
+def cli(*args: str, cwd: Path | None = None, env: dict[str, str | None] | None = None,
+        umask: int | None = None) -> subprocess.CompletedProcess:
+    """The installed command as a new process would run it, offline (a fork of the module's server, or a real
+    new process where the environment changes what is read at import)."""
+    environment = _environment(env)
+    base = _environment(None)
+    if not _server or any(environment.get(k) != base.get(k) for k in READ_AT_IMPORT):
+        return subprocess.run([sys.executable, "-m", "quantkit", *args], cwd=cwd, env=environment,
+                              capture_output=True, text=True, timeout=600,
+                              preexec_fn=None if umask is None else lambda: os.umask(umask))
+    server = _server[0]
+    server.stdin.write(json.dumps({"args": list(args), "cwd": str(cwd or Path.cwd()), "env": environment,
+                                   "umask": umask}) + "\n")
+    server.stdin.flush()
+    reply = json.loads(server.stdout.readline())
+    return subprocess.CompletedProcess(["quantkit", *args], reply["returncode"], reply["stdout"], reply["stderr"])
 
 
 def snapshot(*folders: Path) -> dict[str, bytes | None]:

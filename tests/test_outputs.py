@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 from test_adapters import tiny_model as tiny_module
-from test_cli_errors import QUICK, cli, snapshot, tiny_model  # noqa: F401  (fixture)
+from test_cli_errors import QUICK, cli, forkserver, snapshot, tiny_model  # noqa: F401  (fixtures)
 from test_engine import random_calibration
 from test_eval_tasks import tiny_lm  # noqa: F401  (fixture)
 

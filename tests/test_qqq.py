@@ -378,9 +378,12 @@ def test_w4a8_end_to_end_beats_gptq_and_rtn_and_reloads(tmp_path, group_size: in
     errors, models = {}, {}
     for method in ("rtn", "gptq", "qqq"):
         model = copy.deepcopy(original)
-        config = QuantConfig(method=method, group_size=group_size, act_bits=8)  # QQQ turns act-order on itself
-        quantize_model(model, get_adapter(model), calib, config, device="cpu", show_progress=False)
+        config = QuantConfig(method=method, group_size=group_size, act_bits=8)  # QQQ's defaults
+        report = quantize_model(model, get_adapter(model), calib, config, device="cpu", show_progress=False)
         assert all(q.act_bits == 8 for q in quantized_modules(model).values())
+        if method == "qqq":  # what its search minimises: never above the unsmoothed layer's loss
+            groups = [group for layer in report.layers for group in layer["smoothing"].values()]
+            assert groups and all(g["loss"] <= g["loss_unsmoothed"] for g in groups), groups
         logits = model(calib.input_ids).logits
         errors[method] = ((logits - reference).norm() / reference.norm()).item()
         models[method] = (model, config)

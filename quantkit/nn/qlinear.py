@@ -16,6 +16,7 @@ the reference) the weight is dequantized and multiplied.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -197,3 +198,13 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, bits={self.bits}, "
                 f"group={self.group_size}, act_bits={self.act_bits}")
+
+
+def with_act_bits(model: nn.Module, act_bits: int) -> nn.Module:
+    """A copy of a quantized model whose QuantLinears take act_bits activations: RTN's and GPTQ's weights do not
+    depend on act_bits (test_qqq's test_rtn_and_gptq_weights_ignore_act_bits), so one quantization serves both."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.act_bits = act_bits
+    return model

@@ -9,8 +9,9 @@ prompts.json holds a list whose items are either strings (tokenized by vLLM with
 tokenizer) or lists of token ids (used as they are, which makes comparisons with transformers exact).
 A checkpoint folder without tokenizer files takes token-id prompts only, and its "text" outputs are empty.
 
-With --dump-weights FILE, it also writes the weight of each 4-bit layer as vLLM holds it after loading
-(decoded back to fp32 [out, in]), so that a test can compare an export with its source weights exactly.
+With --dump-weights FILE (a folder, one NAME.safetensors each, when several checkpoints are served), it also
+writes the weight of each 4-bit layer as vLLM holds it after loading (decoded back to fp32 [out, in]), so that a
+test can compare an export with its source weights exactly.
 
 The output JSON has "quantization" (the method vLLM resolved, null when unquantized), "linear_methods"
 (a count of linear layers per "QuantMethod/Kernel" name, read off the loaded model, so that a test can
@@ -139,7 +140,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--dump-weights",
         type=Path,
-        help="also write, as safetensors, the fp32 weight each 4-bit layer holds once vLLM has loaded it",
+        help="also write, as safetensors, the fp32 weight each 4-bit layer holds once vLLM has loaded it "
+        "(several checkpoints: a folder of NAME.safetensors)",
     )
     return parser.parse_args()
 
@@ -200,7 +202,8 @@ class RunError(Exception):
         self.stage = stage
 
 
-def serve(checkpoint: Path, args: argparse.Namespace, prompts: list, wna16_gemm: str) -> dict[str, Any]:
+def serve(checkpoint: Path, args: argparse.Namespace, prompts: list, wna16_gemm: str,
+          dump_weights: Path | None) -> dict[str, Any]:
     """Load one checkpoint, greedy-decode the prompts, and return the result (raises RunError)."""
     from vllm import LLM, SamplingParams  # imported late: it is slow and the env vars above must come first
 
@@ -225,10 +228,10 @@ def serve(checkpoint: Path, args: argparse.Namespace, prompts: list, wna16_gemm:
     linear_methods = llm.apply_model(count_linear_methods)[0]
     print(f"vllm quantization={model_config.quantization} dtype={model_config.dtype}")
     print(f"vllm linear methods: {linear_methods}")
-    if args.dump_weights is not None:
+    if dump_weights is not None:
         from safetensors.torch import save_file
 
-        save_file(llm.apply_model(dequantized_weights)[0], args.dump_weights)
+        save_file(llm.apply_model(dequantized_weights)[0], dump_weights)
 
     sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -265,9 +268,6 @@ def main() -> int:
     NAME.json in the --out folder, a failure written there as {"checkpoint", "error", "stage"}, exit 0."""
     args = parse_args()
     prompts = load_prompts(args.prompts_json)
-    if len(args.checkpoints) > 1 and args.dump_weights is not None:
-        print("error: --dump-weights takes one checkpoint", file=sys.stderr)
-        return 2
     wna16_gemm = install_wna16_gemm_if_missing()
     if wna16_gemm == "reference":
         print(
@@ -276,10 +276,14 @@ def main() -> int:
     single = len(args.checkpoints) == 1
     if not single:
         args.out.mkdir(parents=True, exist_ok=True)
+        if args.dump_weights is not None:
+            args.dump_weights.mkdir(parents=True, exist_ok=True)
     for checkpoint in args.checkpoints:
         out = args.out if single else args.out / f"{checkpoint.name}.json"
+        dump = args.dump_weights if single or args.dump_weights is None else \
+            args.dump_weights / f"{checkpoint.name}.safetensors"
         try:
-            result = serve(checkpoint, args, prompts, wna16_gemm)
+            result = serve(checkpoint, args, prompts, wna16_gemm, dump)
         except RunError as error:
             print(f"error: {error}", file=sys.stderr)
             if single:
