@@ -87,3 +87,19 @@ class RealRuns:
         report = quantize_model(model, get_adapter(model), self.calib, config, device="cpu",
                                 batch_size=self.batch_size, show_progress=False)
         return Run(self.recorder.nll(model, config.label(), time.perf_counter() - start), model, report)
+
+
+def check_layers_at_or_below_rtn(report: QuantReport, fraction: float = 1.0) -> None:
+    """The engine's guard entries: the layers' summed output error on the calibration batches below `fraction` of
+    RTN's on the same inputs, and every layer at or below RTN's or fallen back to it."""
+    guards = [layer["guard"] for layer in report.layers]
+    assert sum(g["output_error"] for g in guards) < fraction * sum(g["rtn_output_error"] for g in guards), guards
+    for g in guards:
+        assert g["output_error"] <= g["rtn_output_error"] or g.get("fallback") == "rtn", g
+
+
+def check_scale_search_never_above_the_identity(report: QuantReport) -> None:
+    """AWQ's scale search (AWQ's or awq-gptq's): every group keeps scales whose loss is at most s = 1's."""
+    groups = [group for layer in report.layers for group in layer["smoothing"]["scales"].values()]
+    searched = [g for g in groups if "loss_awq" in g]
+    assert searched and all(g["loss_awq"] <= g["loss_rtn"] for g in searched), searched

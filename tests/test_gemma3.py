@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from realmodel import NLLRecorder, RealRuns, mean
+from realmodel import (
+    NLLRecorder,
+    RealRuns,
+    check_layers_at_or_below_rtn,
+    check_scale_search_never_above_the_identity,
+    mean,
+)
 
 from quantkit.cli import resolve_group_size
 from quantkit.config import QuantConfig
@@ -58,21 +64,16 @@ def test_default_costs_less_perplexity_than_rtn(runs) -> None:
 
 
 def test_each_layer_ends_at_or_below_rtns_output_error(runs) -> None:
-    guards = [layer["guard"] for layer in runs[DEFAULT].report.layers]
-    assert sum(g["output_error"] for g in guards) < sum(g["rtn_output_error"] for g in guards), guards
-    for g in guards:
-        assert g["output_error"] <= g["rtn_output_error"] or g.get("fallback") == "rtn", g
+    check_layers_at_or_below_rtn(runs[DEFAULT].report)
 
 
 def test_scale_search_never_ends_above_the_identity(runs) -> None:
-    groups = [group for layer in runs[DEFAULT].report.layers for group in layer["smoothing"]["scales"].values()]
-    searched = [g for g in groups if "loss_awq" in g]
-    assert searched and all(g["loss_awq"] <= g["loss_rtn"] for g in searched), searched
+    check_scale_search_never_above_the_identity(runs[DEFAULT].report)
 
 
 @pytest.fixture(scope="module")
 def default_export(runs, gemma3, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gemma3") / "default"
+    folder = tmp_path_factory.mktemp("gemma3") / "awq-gptq"
     return export_checkpoint(runs[DEFAULT].model, gemma3[1], folder, DEFAULT, "compressed-tensors", dtype="float32")
 
 
