@@ -197,6 +197,8 @@ def test_vllm_serves_the_export_as_quantkit_computes_it(matrix, served, case: Ca
     assert "error" not in result, result["error"]
     assert result["quantization"] in ("compressed-tensors", "gptq", "gptq_marlin", "auto_gptq", "awq", "awq_marlin"), result
     assert not any(name.startswith("UnquantizedLinearMethod") for name in result["linear_methods"]), result
+    if case.act_bits == 8:  # served with int8 activations, not as W4A16 (README: "Serving the exports")
+        assert any("CompressedTensorsWNA8Int" in name for name in result["linear_methods"]), result["linear_methods"]
     model, folder = matrix[case.name]
     if case.act_bits == 16 and not case.moe:  # vLLM's 4-bit dense layers (its W4A8 kernel keeps another layout)
         check_vllm_weights(model, result["weights"])

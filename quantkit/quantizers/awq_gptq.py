@@ -53,8 +53,8 @@ POST_NORMS = {"self_attn": "post_attention_layernorm", "mlp": "post_feedforward_
 
 @dataclass(frozen=True)
 class AWQGPTQOptions(GPTQOptions, AWQOptions):
-    """GPTQ's options (act-order on, as GPTQ's) and AWQ's scale search's. grid, clip, damp_percent and duo_scaling
-    default to the measured setting (5 ratios, AWQ's clipping off, 5% dampening: GPTQModel's default; on the
+    """GPTQ's options (act-order on, as GPTQ's) and AWQ's scale search's. grid, clip, damp_percent, duo_scaling and
+    search_tokens default to the measured setting (5 ratios, AWQ's clipping off, 5% dampening: GPTQModel's default; on the
     searched grids it beat 1% on SmolLM2 and Gemma-3, where GPTQ's own min-max grids do not gain from it;
     activation-only scales: with duo scaling, AWQ's default, awq-gptq's Gemma-3 gain over GPTQ was gone in
     English and halved in Korean)."""
@@ -63,6 +63,9 @@ class AWQGPTQOptions(GPTQOptions, AWQOptions):
     duo_scaling: bool = redefault(AWQOptions, "duo_scaling", False)
     grid: int = redefault(AWQOptions, "grid", 5)
     clip: bool = redefault(AWQOptions, "clip", False)
+    # every token up to 128 x 512: with 5 ratios the search is a smaller share of the time, and AWQ's 8192 cost
+    # SmolLM2 0.022 mean NLL for 14% of the time (32 x 512 tokens; benchmarks/accuracy/VS_LLMCOMPRESSOR.md)
+    search_tokens: int = redefault(AWQOptions, "search_tokens", 128 * 512)
     scale_score: str = option("rtn", "score AWQ's candidate scales by the output error after RTN or GPTQ",
                               choices=("rtn", "gptq"))
     range_steps: int = option(16, "group ranges searched by diag(H)-weighted error (1: min-max)",
