@@ -2,8 +2,8 @@
 every figure.
 
 The real-model tests assert only what holds with a margin several times its spread across calibration seeds
-(benchmarks/accuracy/SEEDS_SMOLLM2.md and SEEDS_GEMMA3.md measure it, three seeds, as these tests calibrate); the full accuracy tables are
-benchmarks, not tests (benchmarks/bench_accuracy.py). QUANTKIT_TEST_REPORT=DIR writes DIR/<REPORT>.json
+(benchmarks/accuracy/SEEDS_SMOLLM2.md and SEEDS_GEMMA3.md measure it, three seeds, as these tests calibrate); the
+full accuracy tables are benchmarks, not tests (benchmarks/bench_accuracy.py). QUANTKIT_TEST_REPORT=DIR writes DIR/<REPORT>.json
 ({label: {"nll": {text: mean NLL}, "seconds": s}}).
 """
 

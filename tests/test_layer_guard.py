@@ -15,6 +15,7 @@ from quantkit.engine import quantize_model
 from quantkit.layer_guard import guard_layer, snapshot
 from quantkit.models import get_adapter
 from quantkit.quantizers.awq import AWQ, AWQOptions
+from quantkit.quantizers.context import first_output
 from quantkit.quantizers.rtn import rtn_quantize
 from quantkit.smoothing import active_scaling_groups, fold_scales
 
@@ -60,7 +61,7 @@ def test_guard_errors_match_brute_force() -> None:
 @torch.no_grad()
 def layer_outputs(ctx, layer) -> list[torch.Tensor]:
     outputs = [layer(x, **kwargs) for x, kwargs in zip(ctx.inputs, ctx.kwargs, strict=True)]
-    return [out[0] if isinstance(out, tuple) else out for out in outputs]
+    return [first_output(out) for out in outputs]
 
 
 class HarmfulAWQ(AWQ):

@@ -12,22 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from export_checks import VLLM_FUSED, VLLM_PYTHON, VLLM_RUNNER, needs_vllm
 from safetensors.torch import load_file, save_file
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-VENV_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
-RUNNER = REPO_ROOT / "tests" / "tools" / "vllm_greedy.py"
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(not VENV_PYTHON.exists(), reason="no .venv-vllm: run scripts/setup_vllm_venv.sh"),
+    needs_vllm,
 ]
 
 GROUP_SIZE = 64
 MAX_TOKENS = 6
 VOCAB_SIZE = 256
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def to_int32(words: torch.Tensor) -> torch.Tensor:
@@ -100,7 +96,7 @@ def write_tiny_gptq_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
 def vllm_view(name: str, expected: dict[str, torch.Tensor]) -> torch.Tensor:
     """Our weight for vLLM's module `name`, stacking the projections vLLM fuses."""
     prefix, leaf = name.rsplit(".", 1)
-    return torch.cat([expected[f"{prefix}.{part}"] for part in FUSED.get(leaf, (leaf,))])
+    return torch.cat([expected[f"{prefix}.{part}"] for part in VLLM_FUSED.get(leaf, (leaf,))])
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +106,7 @@ def runner_result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict,
     prompts = folder / "prompts.json"
     prompts.write_text(json.dumps([[1, 2, 3, 4], [200, 100, 50]]))
     out, dump = folder / "result.json", folder / "weights.safetensors"
-    command = [str(VENV_PYTHON), str(RUNNER), str(folder), "--prompts-json", str(prompts)]
+    command = [str(VLLM_PYTHON), str(VLLM_RUNNER), str(folder), "--prompts-json", str(prompts)]
     command += ["--max-tokens", str(MAX_TOKENS), "--out", str(out), "--dtype", "bfloat16"]
     command += ["--dump-weights", str(dump)]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=900)

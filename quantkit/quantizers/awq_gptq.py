@@ -54,8 +54,8 @@ POST_NORMS = {"self_attn": "post_attention_layernorm", "mlp": "post_feedforward_
 @dataclass(frozen=True)
 class AWQGPTQOptions(GPTQOptions, AWQOptions):
     """GPTQ's options (act-order on, as GPTQ's) and AWQ's scale search's. grid, clip, damp_percent, duo_scaling and
-    search_tokens default to the measured setting (5 ratios, AWQ's clipping off, 5% dampening: GPTQModel's default; on the
-    searched grids it beat 1% on SmolLM2 and Gemma-3, where GPTQ's own min-max grids do not gain from it;
+    search_tokens default to the measured setting (5 ratios, AWQ's clipping off, 5% dampening: GPTQModel's default;
+    on the searched grids it beat 1% on SmolLM2 and Gemma-3, where GPTQ's own min-max grids do not gain from it;
     activation-only scales: with duo scaling, AWQ's default, awq-gptq's Gemma-3 gain over GPTQ was gone in
     English and halved in Korean)."""
 

@@ -13,7 +13,7 @@ from torch import nn
 from quantkit.config import QuantConfig
 from quantkit.models.adapters import ArchAdapter, ScalingGroup
 from quantkit.qtensor import QuantizationError
-from quantkit.quantizers.context import LayerContext, StopForward
+from quantkit.quantizers.context import LayerContext, StopForward, first_output
 from quantkit.quantizers.gptq import gptq_quantize
 from quantkit.quantizers.int8_matmul import Int8Linears
 from quantkit.quantizers.qqq_grids import Int8Weight, make_grid
@@ -149,7 +149,7 @@ class ModuleBlock:
         try:
             with nullcontext() if linears is None else _computed_by(self.linears, linears):
                 out = self.module(*args, **kwargs)
-            measured.append(out[0] if isinstance(out, tuple) else out)
+            measured.append(first_output(out))
         except StopForward:
             pass
         finally:

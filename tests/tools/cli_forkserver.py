@@ -40,8 +40,10 @@ def serve_one(request: dict) -> dict:
                 try:
                     main()
                     code = 0
-                except SystemExit as exit_:
-                    code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+                except SystemExit as exit_:  # as the interpreter would: a non-integer code is printed, status 1
+                    code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+                    if not isinstance(exit_.code, int | None):
+                        print(exit_.code, file=sys.stderr)
                 except BaseException:  # as the interpreter would: the trace on stderr, status 1
                     traceback.print_exc()
             finally:
@@ -49,7 +51,8 @@ def serve_one(request: dict) -> dict:
                 sys.stderr.flush()
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
-        with open(out, encoding="utf-8", errors="replace") as f_out, open(err, encoding="utf-8", errors="replace") as f_err:
+        with open(out, encoding="utf-8", errors="replace") as f_out, \
+                open(err, encoding="utf-8", errors="replace") as f_err:
             return {"returncode": os.waitstatus_to_exitcode(status), "stdout": f_out.read(), "stderr": f_err.read()}
 
 
