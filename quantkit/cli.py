@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import inspect
 import logging
@@ -19,7 +20,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from quantkit.config import QuantConfig, check_option_value, option_spec
+from quantkit.config import AUTO_GROUP, QuantConfig, check_option_value, option_spec
 from quantkit.qtensor import QuantizationError
 from quantkit.streaming.workdir import RESUME_INTERVAL_S
 
@@ -86,35 +87,14 @@ def default_output(model: str | None, method: str, bits: int, act_bits: int, gro
     return Path("out") / f"{name}-{method}-w{bits}a{act_bits}-g{group_size}"
 
 
-def parse_group_size(requested: str) -> int:
+def parse_group_size(requested: str) -> int | str:
+    """--group-size: an integer, or auto (resolved against the model once it is read)."""
+    if requested == AUTO_GROUP:
+        return AUTO_GROUP
     try:
         return int(requested)
     except ValueError as err:
         raise QuantizationError(f"--group-size must be an integer or auto, got {requested!r}") from err
-
-
-def resolve_group_size(model, adapter, requested: str) -> int:
-    """'auto': the largest of 128/64/32 dividing every quantized input size (576 -> 64 for SmolLM2).
-
-    An explicit size is checked against every input size now, before any calibration work."""
-    from quantkit.models.moe import fused_input_sizes
-    from quantkit.qtensor import check_group_size
-
-    sizes = set()
-    for layer in adapter.get_layers(model):  # every layer: widths differ across layers (dense and MoE, MLA)
-        sizes |= {module.in_features for n in adapter.linear_names()
-                  if isinstance(module := _module_or_none(layer, n), torch.nn.Linear)}
-        sizes |= fused_input_sizes(layer, adapter)
-    if requested != "auto":
-        group = parse_group_size(requested)
-        if group in (32, 64, 128):
-            for size in sorted(sizes):
-                check_group_size(size, group)
-        return group
-    for group in (128, 64, 32):
-        if all(s % group == 0 for s in sizes):
-            return group
-    return -1
 
 
 def default_nsamples(device: str) -> int:
@@ -122,13 +102,6 @@ def default_nsamples(device: str) -> int:
     statistics forward passes dominate (SmolLM2-135M on 2 cores: ~9.5 min for 128, ~2.5 min for 32;
     with act-order, 32 samples still reach a lower held-out perplexity than 128 without it)."""
     return 128 if torch.device(device).type == "cuda" else 32
-
-
-def _module_or_none(layer, name: str):
-    try:
-        return layer.get_submodule(name)
-    except AttributeError:
-        return None
 
 
 def _heldout_ppl(model, tokenizer, windows: int, seqlen: int) -> dict[str, float]:
@@ -311,14 +284,9 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
         nsamples = default_nsamples(work_device)
     options = method_class(method).options_class.from_dict(method_options_for(method, method_options))
 
-    def scheme(group: int, scale_dtype: str = "float16") -> QuantConfig:
-        config = QuantConfig(method=method, bits=bits, group_size=group, sym=not asym, act_bits=act_bits,
-                             moe_all_tokens=moe_all_tokens, scale_dtype=scale_dtype,
-                             options=options).validate()
-        get_format(format).check(config)
-        return config
-
-    planned = scheme(128 if group_size == "auto" else parse_group_size(group_size))  # the scheme, before any loading
+    planned = QuantConfig(method=method, bits=bits, group_size=parse_group_size(group_size), sym=not asym,
+                          act_bits=act_bits, moe_all_tokens=moe_all_tokens, options=options).validate()
+    get_format(format).check(planned)  # the scheme, before any loading
     if planned.method_fixes():
         console.print(f"{method} fixes " + ", ".join(f"{k}={v}" for k, v in planned.method_fixes().items()))
     if output is None:
@@ -341,7 +309,8 @@ def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, ns
                                        allow_pickle=allow_pickle)
         adapter = get_adapter(lm)
         # scales rounded to the dtype the export serves in (bf16 for Gemma or --dtype bfloat16)
-        config = scheme(resolve_group_size(lm, adapter, group_size), scale_dtype_for(export_dtype(lm, dtype)))
+        serving = scale_dtype_for(export_dtype(lm, dtype))
+        config = dataclasses.replace(planned, scale_dtype=serving).for_model(lm, adapter)
         console.print(f"[bold]{lm.config.model_type}[/] {config.method} W{config.bits}A{config.act_bits} "
                       f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format}, "
                       f"{nsamples} x {seqlen} calibration tokens on {work_device}")

@@ -17,10 +17,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from quantkit.qtensor import QuantizationError
+from quantkit.qtensor import QuantizationError, check_group_size
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
+AUTO_GROUP = "auto"  # the largest of 128/64/32 dividing every quantized input width, per channel if none does
 LEGACY_METHOD = "gptq"  # the method of a stored quant_config that names none (exports before methods were named)
+_RETIRED_KEYS = ("ignore",)  # what older exports wrote and nothing reads (an always-empty module list)
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _SPEC = "quantkit.option"
 
@@ -103,18 +105,18 @@ def check_option_value(f: Field, value: Any) -> None:
 Options = TypeVar("Options", bound=MethodOptions)
 
 
-@dataclass
+@dataclass(frozen=True)
 class QuantConfig:
+    """Frozen: resolved once (for_model), then only read; a change is a new config (dataclasses.replace)."""
+
     method: str = "awq-gptq"  # the default method, of the CLI too
     bits: int = 4
-    group_size: int = 128  # -1: per output channel
+    group_size: int | str = AUTO_GROUP  # -1: per output channel; AUTO_GROUP until for_model resolves it
     sym: bool = True
     act_bits: int = 16  # 8: per-token dynamic int8 activations (W4A8)
     # MoE: every expert's statistics from every calibration token (the layer's output still follows the routing);
     # off: each expert's from the tokens routed to it, too few tokens handled by models/moe.py's LowTokenGuard
     moe_all_tokens: bool = False
-    # modules never quantized (matched as name suffixes); lm_head and embeddings never are
-    ignore: list[str] = field(default_factory=list)
     # the dtype the export serves in, "float16" or "bfloat16" (fp32 exports hold fp16-rounded scales): scales are
     # rounded to it before GPTQ compensates their error, so the export holds the scales it compensated for
     scale_dtype: str = "float16"
@@ -124,7 +126,7 @@ class QuantConfig:
     def __post_init__(self) -> None:
         expected = _options_class(self.method)
         if self.options is None:
-            self.options = expected()
+            object.__setattr__(self, "options", expected())
         elif not isinstance(self.options, expected):
             raise QuantizationError(f"method {self.method!r} takes {expected.__name__}, "
                                     f"got {type(self.options).__name__}")
@@ -140,7 +142,7 @@ class QuantConfig:
             if value != _SCHEME_DEFAULTS[name]:
                 raise QuantizationError(f"{self.method} needs {name}={required!r}; {name}={value!r} "
                                         f"({SCHEME_FLAGS[name]}) contradicts it")
-            setattr(self, name, required)
+            object.__setattr__(self, name, required)
 
     def method_fixes(self) -> dict[str, Any]:
         """The scheme fields the method fixes, with their values: what the resolved scheme says it chose."""
@@ -152,17 +154,21 @@ class QuantConfig:
             raise QuantizationError(f"method {self.method!r} has no {expected.__name__}")
         return self.options
 
-    def with_options(self, **changes: Any) -> None:
-        """Replaces some options (checked again): a method that forces some of its options."""
-        self.options = dataclasses.replace(self.options, **changes)
+    @property
+    def resolved(self) -> bool:
+        return self.group_size != AUTO_GROUP
+
+    def for_model(self, model: torch.nn.Module, adapter: Any) -> QuantConfig:
+        """This scheme for `model`: 'auto' becomes a group size, an explicit one is checked against every width
+        that will be quantized, before any work (a later layer, an expert or an MLA projection can differ)."""
+        return dataclasses.replace(self, group_size=resolve_group_size(model, adapter, self.group_size))
 
     def validate(self) -> QuantConfig:
         if self.bits not in (4, 8):
             raise QuantizationError(f"bits must be 4 or 8, got {self.bits}")
-        if self.group_size not in SUPPORTED_GROUP_SIZES:
-            raise QuantizationError(
-                f"group size must be one of {SUPPORTED_GROUP_SIZES} (-1 = per channel), got {self.group_size}"
-            )
+        if self.group_size not in (*SUPPORTED_GROUP_SIZES, AUTO_GROUP):
+            raise QuantizationError(f"group size must be one of {SUPPORTED_GROUP_SIZES} (-1 = per channel) "
+                                    f"or {AUTO_GROUP!r}, got {self.group_size!r}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise QuantizationError(f"scale_dtype must be one of {sorted(SCALE_DTYPES)}, got {self.scale_dtype!r}")
         if self.act_bits not in (8, 16):
@@ -179,7 +185,7 @@ class QuantConfig:
 
     def label(self) -> str:
         """Short human-readable name of the scheme, e.g. 'gptq W4A16 g64 sym act-order'."""
-        group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
+        group = {-1: "per-channel", AUTO_GROUP: "group auto"}.get(self.group_size, f"g{self.group_size}")
         scheme = f"{self.method} W{self.bits}A{self.act_bits} {group} {'sym' if self.sym else 'asym'}"
         return scheme + self.options.label()
 
@@ -191,6 +197,7 @@ class QuantConfig:
     def from_dict(cls, values: Mapping[str, Any]) -> QuantConfig:
         """Reads to_dict()'s shape, and the flat quant_config of older exports (every method's options side by
         side, AWQ's as awq_*): options of other methods are ignored, keys no method knows are an error."""
+        values = {k: v for k, v in values.items() if k not in _RETIRED_KEYS}
         scheme_keys = {f.name for f in fields(cls)} - {"options"}
         method = values.get("method", LEGACY_METHOD)
         options = values.get("options", values)
@@ -200,6 +207,18 @@ class QuantConfig:
             raise QuantizationError(f"unknown quant_config keys: {', '.join(sorted(unknown))}")
         scheme = {k: v for k, v in values.items() if k in scheme_keys}
         return cls(**scheme, options=_options_class(method).from_dict(options))
+
+
+def resolve_group_size(model: torch.nn.Module, adapter: Any, requested: int | str) -> int:
+    """AUTO_GROUP: the largest of 128/64/32 dividing every quantized input width (576 -> 64 for SmolLM2), -1 if
+    none does. An explicit size is checked against every width now, before any calibration work."""
+    widths = adapter.quantized_input_widths(model)
+    if requested != AUTO_GROUP:
+        if requested != -1:
+            for width in sorted(widths):
+                check_group_size(width, int(requested))
+        return int(requested)
+    return next((group for group in (128, 64, 32) if all(w % group == 0 for w in widths)), -1)
 
 
 # method name -> the scheme fields it fixes (QQQ: W4A8, symmetric), from Method.required_scheme by register

@@ -64,7 +64,7 @@ class _LayerRecorder(nn.Module):
 
 @dataclass
 class QuantReport:
-    config: dict
+    scheme: QuantConfig  # as resolved for the model: what export_checkpoint takes
     layers: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, summed over layers
@@ -77,7 +77,7 @@ class QuantReport:
                 for name, info in e["linears"].items() if info.get("fallback")]
 
     def to_dict(self) -> dict:
-        return {"config": self.config, "layers": self.layers, "fallbacks": self.fallbacks,
+        return {"config": self.scheme.to_dict(), "layers": self.layers, "fallbacks": self.fallbacks,
                 "seconds": self.seconds, "timings": self.timings, "calibration_tokens": self.calibration_tokens}
 
 
@@ -236,13 +236,13 @@ def quantize_model(
     """
     from quantkit.streaming.hidden import open_store  # quantkit.streaming imports this module
 
-    config.validate()
+    adapter = adapter.for_config(model.config)  # MoE: one name per expert (get_adapter(model) did it already)
+    config = config.validate().for_model(model, adapter)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     method = get_method(config)
-    report = QuantReport(config=config.to_dict(), calibration_tokens=calib.n_tokens if method.needs_calibration else 0)
+    report = QuantReport(scheme=config, calibration_tokens=calib.n_tokens if method.needs_calibration else 0)
     start = time.perf_counter()
     timer = _PhaseTimer(device, report.timings)
-    adapter = adapter.for_config(model.config)  # MoE: one name per expert (get_adapter(model) did it already)
     unfuse_experts(model, adapter)
     layers = adapter.get_layers(model)
     # No batches for a method that reads no calibration data: every per-layer forward is then empty.

@@ -201,9 +201,11 @@ def export_checkpoint(
     overwrite: bool = False,
 ) -> Path:
     """Write to a staging folder beside `output`, then move it in (quantkit.outputs): never a half-written
-    checkpoint, and `overwrite` replaces only a previous export or an empty folder."""
+    checkpoint, and `overwrite` replaces only a previous export or an empty folder. `config` is the scheme the
+    model was quantized with (QuantReport.scheme; an unresolved group size resolves as quantize_model did)."""
     fmt = get_format(fmt_name)
     fmt.check(config)
+    config = config.for_model(model, get_adapter(model))
     output = Path(output).expanduser().resolve()
     check_output_target(output, overwrite)
     if not quantized_modules(model):

@@ -296,23 +296,3 @@ def test_moe_all_tokens_reaches_the_calibration(tmp_path, tokenizer) -> None:
     assert meta["quant_config"]["moe_all_tokens"] is True
     tokens = {meta["report"]["layers"][0]["linears"][f"mlp.experts.{e}.up_proj"]["tokens"] for e in range(EXPERTS)}
     assert tokens == {meta["report"]["calibration_tokens"]}
-
-
-def test_auto_group_size_reads_every_layer() -> None:
-    """A later layer's wider or narrower linear (here an MLP of 96, a multiple of 32 only) decides 'auto' too, and
-    an explicit size it does not divide is refused before any work; fused MoE experts count by their 3-D shapes."""
-    from test_adapters import tiny_model
-    from test_moe import tiny_moe
-
-    from quantkit.models import get_adapter
-    from quantkit.qtensor import QuantizationError
-
-    model = tiny_model("llama")
-    assert cli.resolve_group_size(model, get_adapter(model), "auto") == 64
-    mlp = model.model.layers[1].mlp
-    mlp.gate_proj, mlp.up_proj, mlp.down_proj = torch.nn.Linear(64, 96), torch.nn.Linear(64, 96), torch.nn.Linear(96, 64)
-    assert cli.resolve_group_size(model, get_adapter(model), "auto") == 32
-    with pytest.raises(QuantizationError, match="96"):
-        cli.resolve_group_size(model, get_adapter(model), "64")
-    moe = tiny_moe("qwen3_moe", moe_intermediate_size=96)
-    assert cli.resolve_group_size(moe, get_adapter(moe), "auto") == 32

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from quantkit.config import QuantConfig
+from quantkit.config import AUTO_GROUP, QuantConfig, resolve_group_size
 from quantkit.qtensor import QuantizationError
 from quantkit.quantizers.awq import AWQOptions
 from quantkit.quantizers.awq_gptq import AWQGPTQOptions
@@ -28,12 +29,12 @@ OLD_AND_NEW = [
                  QuantConfig(method="gptq", group_size=64, sym=False,
                              options=GPTQOptions(act_order=True, damp_percent=0.05, block_size=32)), id="gptq"),
     pytest.param({"method": "awq", "group_size": -1, "awq_grid": 5, "awq_duo_scaling": True, "awq_clip": False,
-                  "mse": True, "ignore": ["mlp.down_proj"]},
-                 QuantConfig(method="awq", group_size=-1, ignore=["mlp.down_proj"],
+                  "mse": True, "ignore": ["mlp.down_proj"]},  # a retired key no code ever read
+                 QuantConfig(method="awq", group_size=-1,
                              options=AWQOptions(grid=5, duo_scaling=True, clip=False, mse=True)), id="awq"),
     pytest.param({"method": "qqq", "act_bits": 8, "act_order": True, "smooth_steps": 8, "smooth_search": "grid",
                   "smooth_samples": 16, "smooth_check": False, "awq_clip": False},
-                 QuantConfig(method="qqq", act_bits=8, options=QQQOptions(
+                 QuantConfig(method="qqq", group_size=128, act_bits=8, options=QQQOptions(
                      act_order=True, smooth_steps=8, smooth_search="grid", smooth_samples=16, smooth_check=False)),
                  id="qqq"),
 ]
@@ -50,6 +51,61 @@ def test_to_dict_reads_back(changes: dict, expected: QuantConfig) -> None:
     written = json.loads(json.dumps(expected.to_dict()))
     assert written["options"] == {f: getattr(expected.options, f) for f in written["options"]}
     assert QuantConfig.from_dict(written) == expected
+
+
+def test_the_python_api_and_the_cli_share_their_defaults() -> None:
+    """QuantConfig() is `quantkit quantize` without flags: the method, its options and every scheme field."""
+    import inspect
+
+    from quantkit import cli
+
+    flags = {name: p.default for name, p in inspect.signature(cli.quantize).parameters.items()}
+    default = QuantConfig()
+    assert (default.method, default.bits, default.group_size, default.act_bits) == (
+        flags["method"], flags["bits"], cli.parse_group_size(flags["group_size"]), flags["act_bits"])
+    assert default.sym is not flags["asym"] and default.moe_all_tokens == flags["moe_all_tokens"]
+    assert default.group_size == AUTO_GROUP
+
+
+def test_quantize_model_resolves_the_default_group_size_as_the_cli_does() -> None:
+    """The Python API's default group size, resolved once by quantize_model (64-wide layers: g64); the report
+    carries the resolved scheme and the caller's config is left as it was."""
+    from test_adapters import tiny_model
+    from test_engine import random_calibration
+
+    from quantkit.engine import quantize_model
+    from quantkit.models import get_adapter
+
+    model = tiny_model("llama")
+    adapter = get_adapter(model)
+    config = QuantConfig(method="rtn")
+    report = quantize_model(model, adapter, random_calibration(), config, device="cpu", show_progress=False)
+    assert report.scheme.group_size == resolve_group_size(model, adapter, AUTO_GROUP) == 64
+    assert report.to_dict()["config"]["group_size"] == 64 and config.group_size == AUTO_GROUP  # never mutated
+
+
+def test_a_config_is_never_changed_in_place() -> None:
+    with pytest.raises(AttributeError):
+        QuantConfig().group_size = 32  # type: ignore[misc]
+
+
+def test_auto_group_size_reads_every_layer() -> None:
+    """A later layer's wider or narrower linear (here an MLP of 96, a multiple of 32 only) decides 'auto' too, and
+    an explicit size it does not divide is refused before any work; fused MoE experts count by their 3-D shapes."""
+    from test_adapters import tiny_model
+    from test_moe import tiny_moe
+
+    from quantkit.models import get_adapter
+
+    model = tiny_model("llama")
+    assert resolve_group_size(model, get_adapter(model), "auto") == 64
+    mlp = model.model.layers[1].mlp
+    mlp.gate_proj, mlp.up_proj, mlp.down_proj = torch.nn.Linear(64, 96), torch.nn.Linear(64, 96), torch.nn.Linear(96, 64)
+    assert resolve_group_size(model, get_adapter(model), "auto") == 32
+    with pytest.raises(QuantizationError, match="96"):
+        resolve_group_size(model, get_adapter(model), 64)
+    moe = tiny_moe("qwen3_moe", moe_intermediate_size=96)
+    assert resolve_group_size(moe, get_adapter(moe), "auto") == 32
 
 
 def test_defaults_are_the_methods_options() -> None:
@@ -89,5 +145,12 @@ def test_invalid_options_are_one_clear_line(make, message: str) -> None:
 def test_label_names_act_order_only_where_it_is_a_choice() -> None:
     assert QuantConfig(method="gptq", group_size=64, options=GPTQOptions(act_order=True)).label() == "gptq W4A16 g64 sym act-order"
     assert QuantConfig(method="rtn", group_size=-1).label() == "rtn W4A16 per-channel sym"
-    qqq = QuantConfig(method="qqq", act_bits=8, options=QQQOptions(act_order=True))
+    qqq = QuantConfig(method="qqq", group_size=128, act_bits=8, options=QQQOptions(act_order=True))
     assert qqq.label() == "qqq W4A8 g128 sym"
+
+
+def test_a_quantizer_refuses_an_unresolved_group_size() -> None:
+    from quantkit.quantizers.gptq import GPTQQuantizer
+
+    with pytest.raises(QuantizationError, match="still 'auto'"):
+        GPTQQuantizer(torch.nn.Linear(64, 16), QuantConfig(method="gptq"))

@@ -20,8 +20,7 @@ from realmodel import (
     mean,
 )
 
-from quantkit.cli import resolve_group_size
-from quantkit.config import QuantConfig
+from quantkit.config import QuantConfig, resolve_group_size
 from quantkit.data import build_calibration_set, default_heldout_texts, load_passages, load_text
 from quantkit.export import export_checkpoint
 from quantkit.models import get_adapter, load_model

@@ -196,7 +196,7 @@ def test_inverse_factor_in_place_is_the_out_of_place_factor():
 
 def test_hessian_is_running_mean_of_2xxT():
     x = make_inputs(64, 200, seed=7)
-    quantizer = GPTQQuantizer(make_layer(64, 16, seed=0), QuantConfig())
+    quantizer = GPTQQuantizer(make_layer(64, 16, seed=0), QuantConfig(method="gptq", group_size=32))
     for chunk in torch.split(x, [13, 0, 100, 87]):  # uneven batches, one empty
         quantizer.add_batch(chunk)
     assert quantizer.nsamples == 200

@@ -20,8 +20,7 @@ from rich.console import Console
 from test_eval_report import _check_report_dir, _require
 from test_gptq import output_error, quantize_gptq
 
-from quantkit.cli import resolve_group_size
-from quantkit.config import QuantConfig
+from quantkit.config import QuantConfig, resolve_group_size
 from quantkit.eval import task_data
 from quantkit.eval.runner import load_prompts, run_eval
 from quantkit.export import export_checkpoint

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
 from torch import nn
 
 from quantkit.qtensor import QuantizationError
@@ -159,6 +160,28 @@ class ArchAdapter:
 
     def linear_names(self) -> list[str]:
         return [name for step in self.sequential for name in step]
+
+    def quantized_input_widths(self, model: nn.Module) -> set[int]:
+        """The input width of every linear that will be quantized, over every layer (MoE and MLA widths differ
+        across layers), still-fused 3-D experts by the linears they will be unfused into."""
+        widths: set[int] = set()
+        for layer in self.get_layers(model):
+            for name in self.linear_names():
+                try:
+                    widths.add(layer.get_submodule(name).in_features)
+                except AttributeError:  # a linear this layer lacks (dense layers of an MoE model), or not a linear
+                    pass
+            widths |= self._fused_expert_widths(layer)
+        return widths
+
+    def _fused_expert_widths(self, layer: nn.Module) -> set[int]:
+        if self.experts is None or not self.experts.fused_experts:
+            return set()
+        experts = getattr(layer.get_submodule(self.experts.block), "experts", None)
+        down = getattr(experts, "down_proj", None)
+        if not isinstance(down, torch.Tensor):  # unfused already: its linears are counted by name
+            return set()
+        return {down.shape[2], layer.get_submodule(self.experts.block).gate.weight.shape[1]}  # down reads inter
 
 
 _ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")

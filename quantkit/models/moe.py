@@ -229,16 +229,6 @@ def _unfuse_block(block: nn.Module, spec: MoeExperts) -> UnfusedMoe:
                       spec.fp32_routing_weights)
 
 
-def fused_input_sizes(layer: nn.Module, adapter: ArchAdapter) -> set[int]:
-    """Input widths of the expert linears a still-fused MoE block of the layer will be unfused into (none: dense)."""
-    if adapter.experts is None or not adapter.experts.fused_experts:
-        return set()
-    block = layer.get_submodule(adapter.experts.block)
-    if isinstance(block, UnfusedMoe) or not hasattr(block, "experts"):
-        return set()
-    return {block.gate.weight.shape[1], block.experts.down_proj.shape[2]}  # gate/up read hidden, down intermediate
-
-
 def _named_blocks(layer: nn.Module, adapter: ArchAdapter) -> list[tuple[str, UnfusedMoe]]:
     """The layer's unfused MoE block with its name, if it has one (dense layers: none)."""
     if adapter.experts is None:

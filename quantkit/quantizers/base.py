@@ -30,6 +30,9 @@ class LinearQuantizer(ABC):
     """Quantizes one nn.Linear, optionally from the activations it receives."""
 
     def __init__(self, linear: nn.Linear, config: QuantConfig) -> None:
+        if not config.resolved:
+            raise QuantizationError("the group size is still 'auto': resolve the scheme for the model first "
+                                    "(QuantConfig.for_model, as quantize_model does)")
         self.linear = linear
         self.config = config
 

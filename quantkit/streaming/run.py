@@ -159,6 +159,7 @@ def quantize_streaming(
     fmt.check(config)
     output = Path(output).expanduser().resolve()
     adapter = get_adapter(model)
+    config = config.for_model(model, adapter)  # the skeleton's shapes are the checkpoint's
     torch_dtype = export_dtype(model, dtype)
     warn_on_scale_rounding(config, torch_dtype)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
