@@ -108,7 +108,7 @@ def check_round_trip(model: torch.nn.Module, config: QuantConfig, fmt: str, fold
 def test_the_matrix_covers_every_method_and_format() -> None:
     assert {c.method for c, _ in CASES} == set(registered_methods())
     assert {f for _, f in CASES} == set(FORMATS)
-    assert len(CASES) >= 100  # 5 methods: 4 x (5 schemes x 4 groups, in 1-3 formats each) + QQQ's 4
+    assert len(CASES) == 148  # the README says so: 4 methods x 5 schemes x 4 groups in 1-3 formats, + QQQ
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
