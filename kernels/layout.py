@@ -24,10 +24,11 @@ def pack_along_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     k, n = codes.shape
     if k % per_word:
         raise ValueError(f"input size {k} is not a multiple of {per_word} ({bits}-bit codes per int32)")
-    c = codes.to(torch.int64).reshape(k // per_word, per_word, n)
-    shifts = (torch.arange(per_word, device=codes.device, dtype=torch.int64) * bits).view(1, -1, 1)
-    packed = (c << shifts).sum(dim=1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    rows = codes.reshape(k // per_word, per_word, n)
+    packed = torch.zeros(k // per_word, n, dtype=torch.int32, device=codes.device)
+    for i in range(per_word):  # one int32 slice at a time: no int64 copy of the whole matrix (70B: GBs)
+        packed |= rows[:, i].to(torch.int32) << (i * bits)  # the top code wraps into the sign bit, as stored
+    return packed
 
 
 def unpack_along_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:

@@ -154,7 +154,7 @@ def load_for_eval(
     label = DEFAULT_MODEL_NAME if is_default_name(source) else Path(str(source)).name or str(source)
     if not is_default_name(source) and is_quantkit_export(source):
         try:
-            model, tokenizer = load_quantized(source, dtype=dtype)
+            model, tokenizer = load_quantized(source, dtype=dtype, device=device)
         except QuantizationError:
             raise
         except Exception as err:  # a damaged export: one line, as for any model

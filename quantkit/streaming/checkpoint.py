@@ -55,11 +55,15 @@ class SafetensorsCheckpoint:
         index = self.folder / INDEX_NAME
         if index.is_file():
             self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        elif (self.folder / SINGLE_NAME).is_file():
-            with safe_open(self.folder / SINGLE_NAME, "pt") as f:
-                self.weight_map = dict.fromkeys(f.keys(), SINGLE_NAME)
-        else:
-            raise QuantizationError(f"{self.folder} holds no {SINGLE_NAME} or {INDEX_NAME}")
+        else:  # one file, or (other tools' exports) shards without an index
+            files = [SINGLE_NAME] if (self.folder / SINGLE_NAME).is_file() else \
+                sorted(p.name for p in self.folder.glob("*.safetensors"))
+            if not files:
+                raise QuantizationError(f"{self.folder} holds no .safetensors files")
+            self.weight_map = {}
+            for fname in files:
+                with safe_open(self.folder / fname, "pt") as f:
+                    self.weight_map.update(dict.fromkeys(f.keys(), fname))
 
     def names(self, prefix: str = "") -> list[str]:
         return [name for name in self.weight_map if name.startswith(prefix)]

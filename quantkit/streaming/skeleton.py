@@ -32,7 +32,7 @@ def build_skeleton(source: str, dtype: torch.dtype) -> PreTrainedModel:
     return model.eval()
 
 
-def _set_tensor(root: nn.Module, name: str, value: torch.Tensor) -> None:
+def set_tensor(root: nn.Module, name: str, value: torch.Tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     module = root.get_submodule(owner)
     if leaf in module._parameters:
@@ -48,7 +48,7 @@ def load_outside_layers(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, ada
     wanted = [n for n in model.state_dict(keep_vars=True) if not n.startswith(layer_prefix)]
     present = [n for n in wanted if n in ckpt.weight_map]
     for name, value in ckpt.read(present).items():
-        _set_tensor(model, name, value.to(dtype) if value.is_floating_point() else value)
+        set_tensor(model, name, value.to(dtype) if value.is_floating_point() else value)
     model.tie_weights()
     still_meta = [n for n, t in model.state_dict(keep_vars=True).items()
                   if t.is_meta and not n.startswith(layer_prefix)]
@@ -71,7 +71,7 @@ def release_outside_layers(model: PreTrainedModel, adapter: ArchAdapter, ckpt: S
         if id(tensor) not in stand_ins:
             meta = tensor.detach().to("meta")
             stand_ins[id(tensor)] = nn.Parameter(meta, False) if isinstance(tensor, nn.Parameter) else meta
-        _set_tensor(model, name, stand_ins[id(tensor)])
+        set_tensor(model, name, stand_ins[id(tensor)])
     _return_freed_memory()
 
 
