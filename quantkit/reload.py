@@ -76,13 +76,14 @@ def load_quantized(
     expected = set(model.state_dict(keep_vars=True))
     for prefix, leaves in _module_keys(stored, fmt.marker_tensor).items():
         read = ckpt.read([stored[f"{prefix}.{leaf}"] for leaf in leaves])
-        module_tensors = {leaf: read[stored[f"{prefix}.{leaf}"]] for leaf in leaves}
-        qw = fmt.unpack(module_tensors, qconfig)
-        if two_level and qw.group_size != -1:
-            qw = _with_channel_scales(qw, f"{folder}: {prefix}")
-        qlinear = QuantLinear.from_quantized(qw, module_tensors.get("bias"), dtype, act_bits=scheme.act_bits)
+        module_tensors = {leaf: read[stored[f"{prefix}.{leaf}"]].to(device) for leaf in leaves}
+        with torch.device(device):  # unpacked and repacked where the layer will run (a GPU's is quick)
+            qw = fmt.unpack(module_tensors, qconfig)
+            if two_level and qw.group_size != -1:
+                qw = _with_channel_scales(qw, f"{folder}: {prefix}")
+            qlinear = QuantLinear.from_quantized(qw, module_tensors.get("bias"), dtype, act_bits=scheme.act_bits)
         parent, _, child = prefix.rpartition(".")
-        setattr(model.get_submodule(parent), child, qlinear.to(device))
+        setattr(model.get_submodule(parent), child, qlinear)
         for leaf in leaves:
             del stored[f"{prefix}.{leaf}"]
         expected -= {f"{prefix}.{leaf}" for leaf in ("weight", "bias")}

@@ -46,7 +46,7 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     size = packed.shape[1] * len(AWQ_ORDER)
     interleaved = unpack_int32(packed, AWQ_BITS, dim=1, size=size)
-    return interleaved[:, torch.argsort(_interleave_index(size))].contiguous()
+    return interleaved[:, torch.argsort(_interleave_index(size)).to(packed.device)].contiguous()
 
 
 @register

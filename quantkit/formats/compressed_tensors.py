@@ -97,7 +97,7 @@ class CompressedTensorsFormat(CheckpointFormat):
         out_features, in_features = (int(size) for size in tensors["weight_shape"].tolist())
         scales = tensors["weight_scale"].float().contiguous()
         if scheme.sym:
-            zeros = torch.full(scales.shape, 2 ** (scheme.bits - 1), dtype=torch.uint8)
+            zeros = torch.full(scales.shape, 2 ** (scheme.bits - 1), dtype=torch.uint8, device=scales.device)
         else:
             zeros = unpack_int32(tensors["weight_zero_point"], scheme.bits, dim=0, size=out_features)
         return QuantizedWeight(
