@@ -159,6 +159,63 @@ def test_one_layer_materialized_and_at_most_one_read_ahead(tmp_path, single_thre
     assert all(next(layer.buffers()).is_meta for layer in layers)  # each released after its step
 
 
+def _moe_checkpoint(folder: Path, kind: str) -> Path:
+    from test_moe import tiny_moe
+
+    tiny_moe(kind, num_hidden_layers=3).save_pretrained(folder, max_shard_size="40KB")  # per-expert tensors on disk
+    return folder
+
+
+@pytest.mark.parametrize("kind,config,fmt", [("qwen3_moe", CONFIGS["gptq"], "gptq"),
+                                            ("mixtral", CONFIGS["awq"], "awq"),  # its checkpoints' own names
+                                            ("qwen2_moe", CONFIGS["rtn"], "compressed-tensors")])  # shared expert
+def test_moe_streams_one_layer_at_a_time_with_the_in_memory_bytes(tmp_path, single_thread, kind: str,
+                                                                   config: QuantConfig, fmt: str) -> None:
+    """Each layer's experts are read from the checkpoint's per-expert tensors as the layer is reached."""
+    source = _moe_checkpoint(tmp_path / "src", kind)
+    expected = _digest(_in_memory(source, config, fmt, tmp_path / "memory"))
+    model, ckpt = open_streamed_model(str(source), torch.float32)
+    counting = _CountingLayers(ckpt, get_adapter(model), torch.float32)
+    counting.model = model
+    out, report = quantize_streaming(model, ckpt, None, random_calibration(), config, fmt, tmp_path / "streamed",
+                                     dtype="float16", device="cpu", show_progress=False, layer_source=counting,
+                                     resume_interval=0)
+    assert _digest(out) == expected
+    assert counting.peak_live == 1 and counting.peak_seen == 1
+    expert_linears = [n for n in report.layers[0]["linears"] if ".experts." in n]
+    assert len(expert_linears) == 3 * model.config.to_dict().get("num_experts", model.config.to_dict().get(
+        "num_local_experts"))
+
+
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_moe_streams_from_fused_expert_tensors(tmp_path, single_thread, read_ahead: bool) -> None:
+    """A checkpoint holding transformers 5's fused 3-D experts (gate_up_proj, down_proj) streams to the bytes the
+    per-expert checkpoint of the same weights gives."""
+    from safetensors.torch import save_file
+    from test_moe import tiny_moe
+
+    per_expert = _moe_checkpoint(tmp_path / "per_expert", "qwen3_moe")
+    expected = _digest(_in_memory(per_expert, CONFIGS["gptq"], "gptq", tmp_path / "memory"))
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    state = tiny_moe("qwen3_moe", num_hidden_layers=3).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file({k: v.contiguous() for k, v in state.items()},
+              str(fused / "model.safetensors"), metadata={"format": "pt"})
+    (fused / "config.json").write_bytes((per_expert / "config.json").read_bytes())
+    model, ckpt = open_streamed_model(str(fused), torch.float32)
+    layers = StreamedLayers(ckpt, get_adapter(model), torch.float32, read_ahead=read_ahead)
+    out, _ = quantize_streaming(model, ckpt, None, random_calibration(), CONFIGS["gptq"], "gptq", tmp_path / "out",
+                                dtype="float16", device="cpu", show_progress=False, layer_source=layers)
+    weights = {name: digest for name, digest in _digest(out).items() if name != "config.json"}
+    assert weights == {name: digest for name, digest in expected.items() if name != "config.json"}
+    config = json.loads((out / "config.json").read_text())
+    assert config.pop("_name_or_path") == str(fused)  # the one difference: the source's path
+    assert config == {k: v for k, v in json.loads((tmp_path / "memory" / "config.json").read_text()).items()
+                      if k != "_name_or_path"}
+    assert layers.peak_held == 1 + read_ahead
+
+
 class _CrashAfter(StreamedLayers):
     def __init__(self, *args, crash_at: int) -> None:
         super().__init__(*args)

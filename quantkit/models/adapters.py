@@ -161,6 +161,10 @@ class ArchAdapter:
     def linear_names(self) -> list[str]:
         return [name for step in self.sequential for name in step]
 
+    def checkpoint_name(self, name: str, reverse: bool = False) -> str:
+        """A model name as this architecture's checkpoints write it (reverse: the other way); MoE only."""
+        return name if self.experts is None else self.experts.checkpoint_name(name, reverse)
+
     def quantized_input_widths(self, model: nn.Module) -> set[int]:
         """The input width of every linear that will be quantized, over every layer (MoE and MLA widths differ
         across layers), still-fused 3-D experts by the linears they will be unfused into."""

@@ -327,6 +327,4 @@ def checkpoint_name(model: nn.Module, name: str, reverse: bool = False) -> str:
     """A name of the model's (a module's or tensor's) as checkpoints of its architecture write it (reverse: the
     checkpoint's name as quantkit's per-expert form has it)."""
     adapter = find_adapter(getattr(model.config, "model_type", ""))
-    if adapter is None or adapter.experts is None:
-        return name
-    return adapter.experts.checkpoint_name(name, reverse)
+    return name if adapter is None else adapter.checkpoint_name(name, reverse)

@@ -33,18 +33,7 @@ def streamable_reason(source: str | None, trust_remote_code: bool) -> str | None
         return "remote-code models are built by their own code"
     if not ((folder / INDEX_NAME).is_file() or (folder / SINGLE_NAME).is_file()):
         return "the folder holds no model.safetensors or safetensors index"
-    if _has_experts(folder):
-        return "mixture-of-experts models are rewritten into per-expert linears as a whole"
     return None
-
-
-def _has_experts(folder: Path) -> bool:
-    from quantkit.models.adapters import find_adapter
-
-    config = folder / "config.json"
-    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-    adapter = find_adapter(model_type) if model_type else None
-    return adapter is not None and adapter.experts is not None
 
 
 class SafetensorsCheckpoint:

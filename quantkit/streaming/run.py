@@ -122,7 +122,9 @@ def _export_plan(model: nn.Module, adapter: ArchAdapter, ckpt: SafetensorsCheckp
         with safe_open(work.layer_file(owner[key]), "pt") as f:
             return f.get_tensor(key)
 
-    return order, specs.__getitem__, load
+    ours = {adapter.checkpoint_name(k): k for k, _ in order}  # written under the checkpoints' names (Mixtral's)
+    return ([(adapter.checkpoint_name(k), n) for k, n in order], lambda name: specs[ours[name]],
+            lambda name: load(ours[name]))
 def _settings(config: QuantConfig, fmt_name: str, torch_dtype: torch.dtype, model: nn.Module,
               device: torch.device, batch_size: int) -> dict:
     work_dtype = next(model.parameters()).dtype

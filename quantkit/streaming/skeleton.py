@@ -105,11 +105,10 @@ class StreamedLayers:
         names = list(layer.state_dict(keep_vars=True))
         tensors = self._read(index, names)
         self._prefetch(index + 1, names)
-        prefix = self._prefix(index)
         layer.to_empty(device="cpu")
         with torch.no_grad():
             for name, tensor in layer.state_dict(keep_vars=True).items():
-                tensor.copy_(tensors.pop(prefix + name))  # copy_ casts as from_pretrained(dtype=...) does
+                tensor.copy_(tensors.pop(name))  # copy_ casts as from_pretrained(dtype=...) does
         self.live += 1
         self.peak_live = max(self.peak_live, self.live)
 
@@ -119,15 +118,52 @@ class StreamedLayers:
         self.held -= 1
         _return_freed_memory()
 
-    def _prefix(self, index: int) -> str:
-        return f"{self.adapter.layers}.{index}."
+    def _on_disk(self, index: int, name: str) -> str:
+        """The checkpoint's name of the layer's tensor `name` (MoE experts: quantkit's per-expert names, which
+        the architecture's checkpoints write per expert too, Mixtral's under its own names)."""
+        return self.adapter.checkpoint_name(f"{self.adapter.layers}.{index}.{name}")
+
+    def _fused_source(self, index: int, name: str) -> tuple[str, int, int | None] | None:
+        """Where a per-expert tensor lies in a checkpoint holding transformers 5's fused 3-D experts: the fused
+        tensor's name, the expert, and which half of gate_up_proj's rows (0: the gate's, 1: up's; None for
+        down_proj); None if it is not there."""
+        spec = self.adapter.experts
+        parts = name.split(".")
+        if spec is None or not name.startswith(f"{spec.block}.experts.") or len(parts) != len(
+                spec.block.split(".")) + 4 or not parts[-3].isdigit():
+            return None
+        expert, projection = int(parts[-3]), parts[-2]
+        fused = f"{self.adapter.layers}.{index}.{spec.block}.experts."
+        if projection == "down_proj":
+            key, half = fused + "down_proj", None
+        else:
+            key, half = fused + "gate_up_proj", 0 if projection == "gate_proj" else 1
+        return (key, expert, half) if key in self.ckpt.weight_map else None
+
+    def _available(self, index: int, name: str) -> bool:
+        return self._on_disk(index, name) in self.ckpt.weight_map or self._fused_source(index, name) is not None
+
+    def _read_layer(self, index: int, names: list[str]) -> dict[str, torch.Tensor]:
+        """The layer's tensors by the layer's own names, per-expert ones cut from fused experts where need be."""
+        direct = {n: self._on_disk(index, n) for n in names if self._on_disk(index, n) in self.ckpt.weight_map}
+        read = self.ckpt.read(list(direct.values()))
+        tensors = {n: read[disk] for n, disk in direct.items()}
+        cut = {n: self._fused_source(index, n) for n in names if n not in direct}
+        missing = [n for n, source in cut.items() if source is None]
+        if missing:
+            raise QuantizationError(f"{self.ckpt.folder}: the checkpoint has no tensor "
+                                    f"{self._on_disk(index, missing[0])!r}")
+        fused = self.ckpt.read(sorted({source[0] for source in cut.values()}))
+        for name, (key, expert, half) in cut.items():
+            tensors[name] = fused[key][expert] if half is None else fused[key][expert].chunk(2, dim=0)[half]
+        return tensors
 
     def _read(self, index: int, names: list[str]) -> dict[str, torch.Tensor]:
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None and prefetched[0] == index:
             return prefetched[1].result()
         self._count_held()
-        return self.ckpt.read([self._prefix(index) + n for n in names])
+        return self._read_layer(index, names)
 
     def _count_held(self) -> None:
         self.held += 1
@@ -135,10 +171,9 @@ class StreamedLayers:
 
     def _prefetch(self, index: int, names: list[str]) -> None:
         """Layer `index`'s tensors, if it has the same names as this one (the last layer's next has none)."""
-        keys = [self._prefix(index) + n for n in names]
-        if self.read_ahead and all(k in self.ckpt.weight_map for k in keys):
+        if self.read_ahead and all(self._available(index, n) for n in names):
             self._count_held()
-            self._prefetched = (index, self._reader.submit(self.ckpt.read, keys))
+            self._prefetched = (index, self._reader.submit(self._read_layer, index, names))
 
 
 # glibc's mmap threshold (M_MMAP_THRESHOLD) and the size it is set to while streaming.
