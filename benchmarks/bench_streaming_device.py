@@ -1,14 +1,16 @@
-"""Streamed GPTQ W4 g128 of a Llama-3-70B-shaped random checkpoint on one GPU (issue #29).
+"""Streamed GPTQ W4 g128 of a Llama-3-70B-shaped or Qwen3-235B-A22B-shaped random checkpoint on one GPU.
 
-Writes N random bf16 decoder layers (hidden 8192, FFN 28672, GQA 64/8, vocab 128256) straight to
+Writes N random bf16 decoder layers (70B: hidden 8192, FFN 28672, GQA 64/8, vocab 128256; 235B-A22B: hidden 4096,
+128 experts of 1536 stored per expert as its checkpoints are, top-8, GQA 64/4, vocab 151936) straight to
 safetensors shards on local disk, generated on the GPU one layer at a time; then quantizes them through
 quantkit.streaming (not the CLI) with 128 x 2048 random calibration tokens and writes the GPTQ export.
 Reports seconds per layer (the layer step, and the wall time with work files and export), peak host RSS,
-peak GPU memory, disk used and the extrapolated 80-layer time, as JSON and Markdown in --out. Targets: 80 layers in at most 20 minutes with at
-most 32 GiB of host memory and 40 GiB of GPU memory. `--tiny` runs a small shape (also on the CPU) to check
-the script before spending device time.
+peak GPU memory, disk used and the time extrapolated to the full depth, as JSON and Markdown in --out. Targets:
+70B in at most 20 minutes with at most 32 GiB of host memory and 40 GiB of GPU memory; 235B-A22B in at most 90
+minutes, 32 GiB of host and 60 GiB of GPU memory. `--shape tiny` / `tiny-moe` check the script (also on the CPU)
+before spending device time.
 
-    python benchmarks/bench_streaming_device.py --layers 6 --out $OUT
+    python benchmarks/bench_streaming_device.py --shape 70b --layers 6 --out $OUT
 """
 
 from __future__ import annotations
@@ -26,33 +28,56 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3MoeConfig
 
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.streaming import open_streamed_model, quantize_streaming
 
 GIB = 2**30
-FULL_DEPTH = 80
-SHAPES = {  # name: (hidden, FFN, heads, kv heads, vocab, samples, seqlen)
-    "70b": (8192, 28672, 64, 8, 128256, 128, 2048),
-    "tiny": (256, 512, 4, 2, 1024, 8, 64),
+SHAPES = {  # name: (hidden, FFN (per expert), heads, kv heads, vocab, experts, samples, seqlen, full depth)
+    "70b": (8192, 28672, 64, 8, 128256, 0, 128, 2048, 80),
+    "qwen3-235b-a22b": (4096, 1536, 64, 4, 151936, 128, 128, 2048, 94),
+    "tiny": (256, 512, 4, 2, 1024, 0, 8, 64, 80),
+    "tiny-moe": (256, 128, 4, 2, 1024, 8, 8, 64, 94),
 }
 
 
-def llama_config(shape: str, layers: int) -> LlamaConfig:
-    hidden, ffn, heads, kv_heads, vocab, *_ = SHAPES[shape]
-    return LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
-                       num_key_value_heads=kv_heads, vocab_size=vocab, num_hidden_layers=layers,
-                       max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
-                       dtype="bfloat16")
+def model_config(shape: str, layers: int) -> PretrainedConfig:
+    hidden, ffn, heads, kv_heads, vocab, experts, *_ = SHAPES[shape]
+    common = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                  num_hidden_layers=layers, tie_word_embeddings=False, dtype="bfloat16")
+    if experts:
+        return Qwen3MoeConfig(**common, head_dim=128, num_experts=experts, num_experts_per_tok=8,
+                              moe_intermediate_size=ffn, norm_topk_prob=True, max_position_embeddings=40960,
+                              rope_theta=1000000.0)
+    return LlamaConfig(**common, intermediate_size=ffn, max_position_embeddings=8192, rope_theta=500000.0)
 
 
-def write_checkpoint(folder: Path, config: LlamaConfig, device: torch.device) -> int:
+def checkpoint_shapes(config: PretrainedConfig) -> dict[str, torch.Size]:
+    """Every tensor's shape as the architecture's checkpoints store it: MoE experts one tensor per expert
+    and projection (transformers holds them fused in 3-D)."""
+    with torch.device("meta"):
+        fused = {n: t.shape for n, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    shapes: dict[str, torch.Size] = {}
+    for name, shape in fused.items():
+        if name.endswith("experts.gate_up_proj"):
+            for e in range(shape[0]):
+                for projection in ("gate_proj", "up_proj"):
+                    shapes[f"{name[:-len('gate_up_proj')]}{e}.{projection}.weight"] = torch.Size(
+                        [shape[1] // 2, shape[2]])
+        elif name.endswith("experts.down_proj"):
+            for e in range(shape[0]):
+                shapes[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = torch.Size(shape[1:])
+        else:
+            shapes[name] = shape
+    return shapes
+
+
+def write_checkpoint(folder: Path, config: PretrainedConfig, device: torch.device) -> int:
     """One shard per decoder layer (and one for the rest), random bf16 made on `device`; returns the bytes."""
     folder.mkdir(parents=True)
-    with torch.device("meta"):
-        shapes = {n: t.shape for n, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    shapes = checkpoint_shapes(config)
     groups: dict[str, list[str]] = {}
     for name in shapes:
         match = re.match(r"model\.layers\.(\d+)\.", name)
@@ -90,14 +115,15 @@ def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def summarize(layer_seconds: list[float], capture_seconds: float, total_seconds: float, layers: int) -> dict:
+def summarize(layer_seconds: list[float], capture_seconds: float, total_seconds: float, layers: int,
+              depth: int) -> dict:
     """The layer step's own time (load, statistics, solve, next inputs) and the wall time per layer (the step
-    plus what the step does not overlap: work files, export); the 80-layer time scales everything but the
+    plus what the step does not overlap: work files, export); the full-depth time scales everything but the
     calibration capture with depth (the embeddings' and head's export too: an overestimate)."""
     wall_per_layer = (total_seconds - capture_seconds) / layers
     return {"seconds_per_layer": statistics.mean(layer_seconds[1:]) if len(layer_seconds) > 1 else layer_seconds[0],
             "first_layer_seconds": layer_seconds[0], "wall_seconds_per_layer": wall_per_layer,
-            "extrapolated_80_layer_seconds": capture_seconds + wall_per_layer * FULL_DEPTH}
+            "full_depth": depth, "extrapolated_full_depth_seconds": capture_seconds + wall_per_layer * depth}
 
 
 def markdown(result: dict) -> str:
@@ -110,9 +136,10 @@ def markdown(result: dict) -> str:
             ("wall seconds per layer (step + work files + export)", f"{result['wall_seconds_per_layer']:.1f}"),
             ("first layer", f"{result['first_layer_seconds']:.1f} s"),
             ("streamed quantization + export", f"{result['total_seconds']:.0f} s"),
-            ("extrapolated 80 layers", f"{result['extrapolated_80_layer_seconds'] / 60:.1f} min (target 20)"),
-            ("peak host RSS", f"{result['peak_rss_bytes'] / GIB:.1f} GiB (target 32)"),
-            ("peak GPU memory", f"{result['peak_gpu_bytes'] / GIB:.1f} GiB (target 40)"),
+            (f"extrapolated {result['full_depth']} layers",
+             f"{result['extrapolated_full_depth_seconds'] / 60:.1f} min (target {result['targets'][0]})"),
+            ("peak host RSS", f"{result['peak_rss_bytes'] / GIB:.1f} GiB (target {result['targets'][1]})"),
+            ("peak GPU memory", f"{result['peak_gpu_bytes'] / GIB:.1f} GiB (target {result['targets'][2]})"),
             ("export on disk", f"{result['export_bytes'] / GIB:.1f} GiB"),
             ("disk free after", f"{result['disk_free_bytes'] / GIB:.1f} GiB")]
     lines = ["| quantity | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
@@ -128,25 +155,24 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="JSON and Markdown results")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--offload-dir", type=Path, help="hidden states on disk if neither GPU nor host holds them")
-    parser.add_argument("--tiny", action="store_true", help="a small shape, to check the script (CPU is fine)")
+    parser.add_argument("--shape", choices=list(SHAPES), default="70b", help="tiny ones check the script (CPU too)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint and the export")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = "tiny" if args.tiny else "70b"
-    *_, vocab, nsamples, seqlen = SHAPES[shape]
+    shape = args.shape
+    *_, vocab, experts, nsamples, seqlen, depth = SHAPES[shape]
     source, output = args.work_dir / "checkpoint", args.work_dir / "export"
     shutil.rmtree(args.work_dir, ignore_errors=True)
     start = time.perf_counter()
-    size = write_checkpoint(source, llama_config(shape, args.layers), device)
+    size = write_checkpoint(source, model_config(shape, args.layers), device)
     write_seconds = time.perf_counter() - start
     logging.info("wrote %d layers, %.1f GiB in %.0f s", args.layers, size / GIB, write_seconds)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ids = torch.randint(0, vocab, (nsamples, seqlen), generator=torch.Generator().manual_seed(0))
     calib = CalibrationSet(ids, torch.ones_like(ids))
-    config = QuantConfig(method="gptq", bits=4, group_size=128)
-    config.with_options(act_order=True)  # what `quantkit quantize` runs by default
+    config = QuantConfig(method="gptq", bits=4, group_size=128)  # act-order, as `quantkit quantize` runs it
     cold = drop_page_cache()
     start = time.perf_counter()
     model, ckpt = open_streamed_model(str(source), torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -163,7 +189,9 @@ def main() -> None:
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
         "export_bytes": folder_bytes(output), "disk_free_bytes": shutil.disk_usage(args.work_dir).free,
         "torch": torch.__version__, "act_order": True, "page_cache_dropped": cold,
-        **summarize([e["seconds"] for e in report.layers], report.timings.get("capture", 0.0), total, args.layers),
+        "targets": (90, 32, 60) if experts else (20, 32, 40),
+        **summarize([e["seconds"] for e in report.layers], report.timings.get("capture", 0.0), total, args.layers,
+                    depth),
     }
     if not args.keep:
         shutil.rmtree(args.work_dir, ignore_errors=True)
