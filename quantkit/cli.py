@@ -387,6 +387,7 @@ def evaluate_cmd(
     batch_size: Annotated[int, typer.Option(help="evaluation batch size")] = 8,
     device: Annotated[str | None, typer.Option(help="cuda or cpu (default: cuda if available)")] = None,
     backend: Annotated[str, typer.Option(help="native or lm-eval")] = "native",
+    layerwise: Annotated[bool, typer.Option("--layerwise", help="perplexity and KL one layer at a time (automatic when a model does not fit)")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="show the full trace of an error (or QUANTKIT_DEBUG=1)")] = False,
 ) -> None:
@@ -410,7 +411,8 @@ def evaluate_cmd(
                  num_fewshot=num_fewshot, generations=generations, report_dir=report, json_path=json_path,
                  batch_size=batch_size, device=resolve_device(device), backend=backend, seqlen=seqlen, console=Console(),
                  max_windows=max_windows, max_new_tokens=max_new_tokens, draft_tokens=lengths,
-                 speed_batches=batches, speed_compile="inductor" if speed_compile else None)
+                 speed_batches=batches, speed_compile="inductor" if speed_compile else None,
+                 layerwise=True if layerwise else None)
 
     _guarded(work, debug)
 

@@ -49,54 +49,77 @@ def _with_channel_scales(qw: QuantizedWeight, where: str) -> QuantizedWeight:
     return dataclasses.replace(qw, channel_scales=channel)
 
 
+class ExportReader:
+    """An export as a meta-device skeleton (quantized linears not yet replaced) whose modules are built on demand,
+    one at a time, on the device asked for: the whole model (load_quantized) or one layer at a time
+    (quantkit.eval.layerwise). No fp weight of a quantized linear is ever made."""
+
+    def __init__(self, folder: str | Path, dtype: torch.dtype) -> None:
+        self.folder, self.dtype = Path(folder).expanduser(), dtype
+        raw_config = json.loads((self.folder / "config.json").read_text())
+        self.fmt, self.scheme = detect_format(raw_config)
+        self.qconfig = raw_config["quantization_config"]
+        config = AutoConfig.from_pretrained(self.folder)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        with init_empty_weights(include_buffers=False):  # rotary tables and other computed buffers stay real
+            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        adapter = find_adapter(config.model_type)
+        if adapter is not None:  # per-expert tensors load into the per-expert form quantization wrote
+            unfuse_experts(self.model, adapter)
+        self.ckpt = SafetensorsCheckpoint(self.folder)
+        self.stored = {checkpoint_name(self.model, k, reverse=True): k for k in self.ckpt.weight_map}  # ours: file's
+        self.modules = _module_keys(self.stored, self.fmt.marker_tensor)
+        self.two_level = self.scheme.act_bits == 8 and _quantkit_method(self.folder) == "qqq"
+        replaced = {f"{prefix}.{leaf}" for prefix in self.modules for leaf in ("weight", "bias")}
+        self.dense = sorted((set(self.model.state_dict(keep_vars=True)) - replaced) & set(self.stored))
+        packed = {f"{prefix}.{leaf}" for prefix, leaves in self.modules.items() for leaf in leaves}
+        self.unexpected = sorted(set(self.stored) - packed - set(self.model.state_dict(keep_vars=True)))
+
+    def materialize(self, device: torch.device | str, within: str = "", outside: str | None = None) -> None:
+        """Build every module and tensor whose name starts with `within` (and not with `outside`) on `device`."""
+        def wanted(name: str) -> bool:
+            return name.startswith(within) and (outside is None or not name.startswith(outside))
+
+        for prefix in filter(wanted, self.modules):
+            parent, _, child = prefix.rpartition(".")
+            setattr(self.model.get_submodule(parent), child, self._quantized_linear(prefix, device))
+        for name in filter(wanted, self.dense):
+            value = self.ckpt.read([self.stored[name]])[self.stored[name]]
+            set_tensor(self.model, name, value.to(device, self.dtype) if value.is_floating_point() else value.to(device))
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            self.model.tie_weights()
+
+    def check_complete(self) -> None:
+        missing = [n for n, t in self.model.state_dict(keep_vars=True).items() if t.is_meta]
+        if missing or self.unexpected:
+            raise QuantizationError(f"checkpoint {self.folder} does not match its config: missing {missing[:5]}, "
+                                    f"unexpected {self.unexpected[:5]}")
+
+    def tokenizer(self):
+        has_tokenizer = (self.folder / "tokenizer_config.json").is_file()
+        return AutoTokenizer.from_pretrained(self.folder) if has_tokenizer else None
+
+    def _quantized_linear(self, prefix: str, device: torch.device | str) -> QuantLinear:
+        leaves = self.modules[prefix]
+        read = self.ckpt.read([self.stored[f"{prefix}.{leaf}"] for leaf in leaves])
+        tensors = {leaf: read[self.stored[f"{prefix}.{leaf}"]].to(device) for leaf in leaves}
+        with torch.device(device):  # unpacked and repacked where the layer will run (a GPU's is quick)
+            qw = self.fmt.unpack(tensors, self.qconfig)
+            if self.two_level and qw.group_size != -1:
+                qw = _with_channel_scales(qw, f"{self.folder}: {prefix}")
+            return QuantLinear.from_quantized(qw, tensors.get("bias"), self.dtype, act_bits=self.scheme.act_bits)
+
+
 def load_quantized(
     folder: str | Path, dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu"
 ) -> tuple[PreTrainedModel, object]:
-    """The export as a model whose quantized linears are QuantLinear modules, built on `device` directly.
-
-    The skeleton is made on the meta device; each quantized module is read, unpacked and placed on `device` one
-    at a time, and every other tensor likewise: host memory holds one module's tensors (or one embedding), never
-    the model, and no fp weight of a quantized linear is ever made (a 70B W4A16 export loads onto one GPU)."""
-    folder = Path(folder).expanduser()
+    """The export as a model whose quantized linears are QuantLinear modules, built on `device` directly: host
+    memory holds one module's tensors (or one embedding), never the model (a 70B W4A16 export loads onto one
+    GPU)."""
     map_large_allocations()  # each module's transient copies go back to the OS when freed, not to the heap
-    raw_config = json.loads((folder / "config.json").read_text())
-    fmt, scheme = detect_format(raw_config)
-    qconfig = raw_config["quantization_config"]
-    config = AutoConfig.from_pretrained(folder)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    with init_empty_weights(include_buffers=False):  # rotary tables and other computed buffers stay real
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    adapter = find_adapter(config.model_type)
-    if adapter is not None:  # per-expert tensors load into the per-expert form quantization wrote
-        unfuse_experts(model, adapter)
-    ckpt = SafetensorsCheckpoint(folder)
-    stored = {checkpoint_name(model, k, reverse=True): k for k in ckpt.weight_map}  # our name -> the file's
-    two_level = scheme.act_bits == 8 and _quantkit_method(folder) == "qqq"
-    expected = set(model.state_dict(keep_vars=True))
-    for prefix, leaves in _module_keys(stored, fmt.marker_tensor).items():
-        read = ckpt.read([stored[f"{prefix}.{leaf}"] for leaf in leaves])
-        module_tensors = {leaf: read[stored[f"{prefix}.{leaf}"]].to(device) for leaf in leaves}
-        with torch.device(device):  # unpacked and repacked where the layer will run (a GPU's is quick)
-            qw = fmt.unpack(module_tensors, qconfig)
-            if two_level and qw.group_size != -1:
-                qw = _with_channel_scales(qw, f"{folder}: {prefix}")
-            qlinear = QuantLinear.from_quantized(qw, module_tensors.get("bias"), dtype, act_bits=scheme.act_bits)
-        parent, _, child = prefix.rpartition(".")
-        setattr(model.get_submodule(parent), child, qlinear)
-        for leaf in leaves:
-            del stored[f"{prefix}.{leaf}"]
-        expected -= {f"{prefix}.{leaf}" for leaf in ("weight", "bias")}
-    unexpected = sorted(set(stored) - expected)
-    for name in sorted(set(stored) & expected):
-        value = ckpt.read([stored[name]])[stored[name]]
-        set_tensor(model, name, value.to(device, dtype) if value.is_floating_point() else value.to(device))
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
-    missing = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
-    if missing or unexpected:
-        raise QuantizationError(f"checkpoint {folder} does not match its config: missing {missing[:5]}, "
-                                f"unexpected {unexpected[:5]}")
-    model.to(device).eval()  # the computed buffers (rotary tables); every weight is there already
-    has_tokenizer = (folder / "tokenizer_config.json").is_file()
-    return model, AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
+    reader = ExportReader(folder, dtype)
+    reader.materialize(device)
+    reader.check_complete()
+    reader.model.to(device).eval()  # the computed buffers (rotary tables); every weight is there already
+    return reader.model, reader.tokenizer()

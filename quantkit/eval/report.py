@@ -59,6 +59,14 @@ def perplexity_rows(results: dict) -> list[list[str]]:
     return rows
 
 
+def kl_rows(results: dict) -> list[list[str]]:
+    """Per text, each model's mean KL(first || model) of the next-token distributions, where it was measured."""
+    models = results["models"]
+    return [[text, "-", *[f"{m['perplexity'][text]['kl']:.4f}" for m in models[1:]], *[""] * (len(models) - 1)]
+            for text in models[0]["perplexity"] if all("kl" in m["perplexity"][text] for m in models[1:])
+            and len(models) > 1]
+
+
 def speculative_headers(results: dict) -> list[str]:
     return ["draft", "tokens", "greedy match", "alpha (T=1)", *[f"k={k}" for k in results["config"]["draft_tokens"]]]
 
@@ -136,6 +144,8 @@ def summary_table(results: dict) -> Table:
         table.add_row(row[0], row[1], row[2], *row[4:])
     for row in perplexity_rows(results):
         table.add_row(row[0], "perplexity", "", *row[1:])
+    for row in kl_rows(results):
+        table.add_row(row[0], "KL vs first", "", *row[1:])
     return table
 
 
@@ -179,7 +189,8 @@ def markdown_report(results: dict, plots: list[str]) -> str:
         "",
         *_markdown_table(
             ["label", "model", "load (s)"],
-            [[m["label"], m["model"], f"{m['load_seconds']:.1f}"] for m in results["models"]],
+            [[m["label"], m["model"], f"{m['load_seconds']:.1f}" if "load_seconds" in m else "layer by layer"]
+             for m in results["models"]],
         ),
     ]
     if results["models"][0]["tasks"]:
@@ -192,6 +203,9 @@ def markdown_report(results: dict, plots: list[str]) -> str:
             "",
             *_markdown_table(headers, perplexity_rows(results)),
         ]
+        if kl_rows(results):
+            lines += ["", "Mean KL(first || model) of the next-token distributions:", "",
+                      *_markdown_table(headers, kl_rows(results))]
     lines += [f"![{Path(p).stem}]({p})\n" for p in plots]
     if config.get("draft_tokens"):
         lines += [

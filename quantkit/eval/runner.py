@@ -102,6 +102,7 @@ def run_eval(
     draft_tokens: list[int] | None = None,
     speed_batches: list[int] | None = None,
     speed_compile: str | None = None,
+    layerwise: bool | None = None,
 ) -> dict:
     """Evaluate each model (the first is the baseline for deltas) and write the requested outputs.
 
@@ -111,11 +112,20 @@ def run_eval(
     measured as a speculative-decoding draft for the first (quantkit.eval.speculative); None = not measured.
     speed_batches: batch sizes at which each model's decode step (and its prefill) is timed
     (quantkit.eval.speed); None = not timed. speed_compile: the torch.compile backend of the timed decode steps
-    (None: not compiled).
+    (None: not compiled). layerwise: perplexity and KL one decoder layer at a time (quantkit.eval.layerwise);
+    None: when a model does not fit in the device's free memory, said on the console.
     """
     console = console or Console()
     device = _resolve_device(device)
     _check_request(models, backend, draft_tokens)
+    if layerwise is None:
+        too_big = [m for m in models if not fits(m, device)]
+        layerwise = bool(too_big)
+        if too_big:
+            console.print(f"{too_big[0]} does not fit in the free memory of {device}: perplexity and KL are "
+                          "computed one layer at a time (--layerwise); nothing else is measured")
+    if layerwise:
+        check_layerwise_request(models, tasks, generations, draft_tokens, speed_batches)
     limits = task_limits(tasks, limit)
     task_list = [get_task(name) for name in limits]
     sources = _text_sources(texts)
@@ -142,6 +152,7 @@ def run_eval(
         "draft_tokens": draft_tokens,
         "speed_batches": speed_batches,
         "speed_compile": speed_compile,
+        "layerwise": layerwise,
         "versions": _versions(),
     }
     results = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "config": config,
@@ -151,8 +162,12 @@ def run_eval(
         if json_path is not None:
             report.write_json({**results, "models": entries}, Path(json_path))
 
-    results["models"] = _evaluate_all(loader or _default_loader(device), task_list, prepared, sources, prompt_list,
-                                      config, console, keep)
+    if layerwise:
+        results["models"] = _evaluate_layerwise(sources, config, console)
+        keep(results["models"])
+    else:
+        results["models"] = _evaluate_all(loader or _default_loader(device), task_list, prepared, sources,
+                                          prompt_list, config, console, keep)
     write_outputs(results, json_path, report_dir, console)
     _print_tables(results, console)
     return results
@@ -168,6 +183,72 @@ def _evaluate_all(loader: Loader, task_list: list[Task], prepared: dict, sources
         entry["label"] = _unique_label(entry["label"], [m["label"] for m in entries])
         entries.append(entry)
         keep(entries)
+    return entries
+
+
+def fits(source: str, device: str) -> bool:
+    """Whether `source` loaded whole for evaluation fits in 90% of the device's free memory, judged by its
+    safetensors bytes (a full-precision checkpoint at the evaluation dtype; an export as packed). Sources that
+    are not local folders (GGUF, hub names) are taken to fit."""
+    from quantkit.models.loading import default_dtype, is_quantkit_export
+
+    folder = Path(source).expanduser()
+    files = list(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return True
+    size = sum(f.stat().st_size for f in files)
+    if not is_quantkit_export(folder):
+        size = size * default_dtype(device).itemsize // 2  # bf16 on disk
+    return size <= 0.9 * _free_bytes(device)
+
+
+def _free_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return int(meminfo["MemAvailable"].split()[0]) * 1024
+
+
+def check_layerwise_request(models: list[str], tasks: list[str], generations: bool, draft_tokens: list[int] | None,
+                            speed_batches: list[int] | None) -> None:
+    """Layer-wise evaluation measures perplexity and KL of local safetensors folders and quantkit exports only."""
+    from quantkit.models.loading import is_quantkit_export
+
+    wanted = [name for name, asked in (("--tasks", tasks), ("--generations", generations),
+                                       ("--speculative", draft_tokens is not None),
+                                       ("--speed", speed_batches is not None)) if asked]
+    if wanted:
+        raise QuantizationError(f"{wanted[0]} needs the whole model in memory; layer-wise evaluation measures "
+                                "perplexity and KL only")
+    for model in models:
+        folder = Path(model).expanduser()
+        if not (is_quantkit_export(folder) or list(folder.glob("*.safetensors"))):
+            raise QuantizationError(f"{model}: layer-wise evaluation reads local safetensors folders and quantkit "
+                                    "exports only")
+
+
+def _evaluate_layerwise(sources: dict[str, str], config: dict, console: Console) -> list[dict]:
+    """Every model's perplexity per text, those after the first with their KL against it, a layer at a time."""
+    from quantkit.data import load_text
+    from quantkit.eval.layerwise import layerwise_perplexity
+    from quantkit.models.loading import load_tokenizer
+
+    models = config["models"]
+    entries = [{"model": m, "label": Path(m).name or m, "tasks": {}, "perplexity": {}, "generations": []}
+               for m in models]
+    tokenizer = load_tokenizer(models[0])
+    for label, source in sources.items():
+        start = time.perf_counter()
+        scores = layerwise_perplexity(models, tokenizer, load_text(source), seqlen=config["seqlen"],
+                                      max_windows=config["max_windows"], batch_size=config["batch_size"],
+                                      device=config["device"])
+        for entry, score in zip(entries, scores, strict=True):
+            entry["perplexity"][label] = score
+        console.print(f"  perplexity {label}, layer by layer: " + ", ".join(
+            f"{e['label']} {s[report.PPL_KEY]:.3f}" + (f" (KL {s['kl']:.4f})" if "kl" in s else "")
+            for e, s in zip(entries, scores, strict=True)) + f" ({time.perf_counter() - start:.1f} s)")
+    for i, entry in enumerate(entries):
+        entry["label"] = _unique_label(entry["label"], [e["label"] for e in entries[:i]])
     return entries
 
 

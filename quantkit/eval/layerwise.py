@@ -1,0 +1,120 @@
+"""Perplexity and KL divergence of models that do not fit, computed one decoder layer at a time.
+
+The windows' hidden states go through one layer at a time: an original safetensors checkpoint is streamed as
+quantization streams it (quantkit.streaming), an export is built a layer at a time from its shards
+(quantkit.reload.ExportReader), so memory holds one layer, the embeddings and head, and the hidden states of every
+window. The numbers are those of quantkit.eval.perplexity on the whole models (the same windows, targets and
+KL(original || model)), which the tests check.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.data import CalibrationSet
+from quantkit.engine import _move, capture_layer_inputs
+from quantkit.eval.perplexity import heldout_windows, summed_kl, summed_nll
+from quantkit.models import get_adapter
+from quantkit.models.loading import is_quantkit_export
+from quantkit.models.moe import unfuse_experts
+from quantkit.quantizers.context import LayerContext
+from quantkit.reload import ExportReader
+from quantkit.streaming import open_streamed_model
+from quantkit.streaming.skeleton import StreamedLayers, map_large_allocations
+
+log = logging.getLogger("quantkit")
+
+
+class _Model:
+    """One model of the comparison: its skeleton and where each of its layers comes from."""
+
+    def __init__(self, source: str | Path, dtype: torch.dtype, device: torch.device) -> None:
+        self.source, self.device = str(source), device
+        if is_quantkit_export(source):
+            self.reader: ExportReader | None = ExportReader(source, dtype)
+            self.model = self.reader.model
+            self.adapter = get_adapter(self.model)
+            self.reader.materialize(device, outside=self.adapter.layers + ".")
+        else:
+            self.reader = None
+            self.model, ckpt = open_streamed_model(self.source, dtype)
+            self.adapter = get_adapter(self.model)
+            unfuse_experts(self.model, self.adapter)  # experts read per expert, as quantization reads them
+            self.layers = StreamedLayers(ckpt, self.adapter, dtype)
+
+    @contextmanager
+    def layer(self, index: int, layer: nn.Module) -> Iterator[nn.Module]:
+        """Layer `index` on the device for the duration, then back on the meta device."""
+        if self.reader is not None:
+            self.reader.materialize(self.device, within=f"{self.adapter.layers}.{index}.")
+        else:
+            self.layers.load(index, layer)
+        layer.to(self.device)
+        try:
+            yield layer
+        finally:
+            if self.reader is None:
+                self.layers.release(index, layer)
+            else:
+                layer.to("meta")
+
+    @torch.no_grad()
+    def final_hidden_states(self, calib: CalibrationSet, batch_size: int) -> tuple[list[torch.Tensor], list]:
+        """The hidden states after the last layer, per batch of windows, and the token masks."""
+        inputs, kwargs, masks = capture_layer_inputs(self.model, self.adapter, calib, self.device, batch_size)
+        for i, layer in enumerate(self.adapter.get_layers(self.model)):
+            with self.layer(i, layer):
+                ctx = LayerContext(i, layer, self.adapter, inputs, _move(kwargs[i], self.device), masks, self.device)
+                inputs = ctx.forward()
+        for name in (self.adapter.outer.final_norm, self.adapter.outer.lm_head):
+            self.model.get_submodule(name).to(self.device)
+        return inputs, masks
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits for every position but the last, as the model's forward computes them."""
+        norm = self.model.get_submodule(self.adapter.outer.final_norm)
+        logits = self.model.get_submodule(self.adapter.outer.lm_head)(norm(hidden[:, :-1]))
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+@torch.no_grad()
+def layerwise_perplexity(sources: list[str | Path], tokenizer, text: str, seqlen: int = 512,
+                         max_windows: int | None = None, batch_size: int = 4, device: str | None = None,
+                         dtype: torch.dtype | None = None) -> list[dict]:
+    """quantkit.eval.perplexity's scores for each source (safetensors checkpoints streamed, quantkit exports built
+    a layer at a time), every model after the first with "kl" against the first, which stays the reference."""
+    map_large_allocations()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+    windows = heldout_windows(tokenizer, text, seqlen, max_windows)
+    calib = CalibrationSet(windows, torch.ones_like(windows))
+    targets = [batch[:, 1:].to(device) for batch in windows.split(batch_size)]
+    count = windows[:, 1:].numel()
+    reference: tuple[_Model, list[torch.Tensor]] | None = None
+    scores = []
+    for source in sources:
+        model = _Model(source, dtype, device)
+        log.info("%s: %d windows through %d layers, one layer at a time", source, len(windows),
+                 len(model.adapter.get_layers(model.model)))
+        hidden, _ = model.final_hidden_states(calib, batch_size)
+        nll = kl = 0.0
+        for b, target in enumerate(targets):
+            logits = model.logits(hidden[b])
+            nll += summed_nll(logits, target)
+            if reference is not None:
+                kl += summed_kl(reference[0].logits(reference[1][b]), logits)
+        entry = {"ppl": math.exp(nll / count), "nll": nll / count, "tokens": count, "windows": len(windows),
+                 "seqlen": seqlen, "layerwise": True}
+        scores.append(entry if reference is None else entry | {"kl": kl / count})
+        if reference is None:
+            reference = (model, hidden)
+    return scores
+
