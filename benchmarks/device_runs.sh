@@ -8,6 +8,7 @@
 #   stream70b  streamed GPTQ of a Llama-3-70B-shaped checkpoint, 12 layers (~40 GB of local disk)    (~5 min)
 #   stream235b streamed GPTQ of a Qwen3-235B-A22B-shaped checkpoint, 3 layers (~17 GB of local disk)  (~6 min)
 #   reload70b  a Llama-3-70B-shaped W4A16 export (~37 GB) loaded onto the GPU by quantkit's reload    (~6 min)
+#   layerwise70b  a 70B-shaped original (4 layers) against its export, perplexity and KL layer by layer (~4 min)
 #   quantize   GPTQ and awq-gptq act-order on the Llama-3-8B shape, 128 x 2048 tokens                (~8 min)
 #   moe        the grouped MoE kernels against the per-expert loops, Qwen3-30B-A3B and Mixtral shapes (~4 min)
 # COMMIT is the code's commit (the device's checkout has no git history). Tuning results are cached in .devcache
@@ -37,6 +38,8 @@ case $part in
     df -h /tmp | tail -1
     timeout 570 python benchmarks/bench_streaming_device.py --shape qwen3-235b-a22b --layers 3 \
       --work-dir /tmp/quantkit-bench-235b --out "$OUT/stream235b" ;;
+  layerwise70b)
+    timeout 570 python benchmarks/bench_layerwise_device.py --layers 4 --out "$OUT/layerwise70b" ;;
   reload70b)
     df -h /tmp | tail -1
     timeout 570 python benchmarks/bench_reload_device.py --work /tmp/quantkit-reload-70b --out "$OUT/reload70b" ;;
@@ -48,5 +51,5 @@ case $part in
     done ;;
   moe)
     timeout 560 python benchmarks/bench_moe.py --out "$OUT/moe" ;;
-  *) echo "unknown part $part: check, w4a16, w4a8, e2e, stream70b, stream235b, reload70b, quantize or moe" >&2; exit 2 ;;
+  *) echo "unknown part $part: check, w4a16, w4a8, e2e, stream70b, stream235b, reload70b, layerwise70b, quantize or moe" >&2; exit 2 ;;
 esac

@@ -91,10 +91,17 @@ def layerwise_perplexity(sources: list[str | Path], tokenizer, text: str, seqlen
                          dtype: torch.dtype | None = None) -> list[dict]:
     """quantkit.eval.perplexity's scores for each source (safetensors checkpoints streamed, quantkit exports built
     a layer at a time), every model after the first with "kl" against the first, which stays the reference."""
+    windows = heldout_windows(tokenizer, text, seqlen, max_windows)
+    return [entry | {"seqlen": seqlen} for entry in layerwise_scores(sources, windows, batch_size, device, dtype)]
+
+
+@torch.no_grad()
+def layerwise_scores(sources: list[str | Path], windows: torch.Tensor, batch_size: int = 4, device: str | None = None,
+                     dtype: torch.dtype | None = None) -> list[dict]:
+    """layerwise_perplexity's scores on token windows [windows, T] (each predicting its tokens 1..T-1)."""
     map_large_allocations()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
-    windows = heldout_windows(tokenizer, text, seqlen, max_windows)
     calib = CalibrationSet(windows, torch.ones_like(windows))
     targets = [batch[:, 1:].to(device) for batch in windows.split(batch_size)]
     count = windows[:, 1:].numel()
@@ -112,7 +119,7 @@ def layerwise_perplexity(sources: list[str | Path], tokenizer, text: str, seqlen
             if reference is not None:
                 kl += summed_kl(reference[0].logits(reference[1][b]), logits)
         entry = {"ppl": math.exp(nll / count), "nll": nll / count, "tokens": count, "windows": len(windows),
-                 "seqlen": seqlen, "layerwise": True}
+                 "layerwise": True}
         scores.append(entry if reference is None else entry | {"kl": kl / count})
         if reference is None:
             reference = (model, hidden)
