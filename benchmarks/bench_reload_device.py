@@ -144,7 +144,8 @@ def main() -> None:
     folder = args.work / "export"
     write_s = write_export(folder, config, args.device)
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    run = subprocess.run([sys.executable, "-c", PROBE, str(folder), args.device], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-P", "-c", PROBE, str(folder), args.device], capture_output=True,
+                         text=True)  # -P: the checkout's kernels/ folder must not shadow the PyPI package
     if run.returncode:
         sys.exit(run.stderr[-3000:])
     result = {"shape": args.shape, "layers": args.layers, "export_gib": size / 2**30, "write_s": write_s,
