@@ -142,7 +142,8 @@ def main() -> None:
         vocab_size=512, max_position_embeddings=1024)
     config = LlamaConfig(**shape, num_hidden_layers=args.layers)
     folder = args.work / "export"
-    write_s = write_export(folder, config, args.device)
+    reused = (folder / "config.json").is_file()  # an earlier run's whole export (its metadata is written last)
+    write_s = None if reused else write_export(folder, config, args.device)
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     run = subprocess.run([sys.executable, "-P", "-c", PROBE, str(folder), args.device], capture_output=True,
                          text=True)  # -P: the checkout's kernels/ folder must not shadow the PyPI package
