@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -40,11 +41,11 @@ from quantkit.reload import load_quantized
 def status(key):  # kB
     return int(next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key)).split()[1])
 
-folder, device = sys.argv[1], sys.argv[2]
+folder, device, dtype = sys.argv[1], sys.argv[2], getattr(torch, sys.argv[3])
 Path("/proc/self/clear_refs").write_text("5")
 before = status("VmRSS:")
 start = time.perf_counter()
-model, _ = load_quantized(folder, dtype=torch.float16, device=device)
+model, _ = load_quantized(folder, dtype=dtype, device=device)
 if device == "cuda":
     torch.cuda.synchronize()
 loaded = time.perf_counter() - start
@@ -136,6 +137,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=80)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", default="llama3-70b", choices=["llama3-70b", "tiny"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"],
+                        help="the loaded model's (random weights overflow fp16 activations over 80 layers)")
     args = parser.parse_args()
     shape = LLAMA3_70B if args.shape == "llama3-70b" else dict(
         hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -145,14 +148,15 @@ def main() -> None:
     reused = (folder / "config.json").is_file()  # an earlier run's whole export (its metadata is written last)
     write_s = None if reused else write_export(folder, config, args.device)
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    run = subprocess.run([sys.executable, "-P", "-c", PROBE, str(folder), args.device], capture_output=True,
+    run = subprocess.run([sys.executable, "-P", "-c", PROBE, str(folder), args.device, args.dtype], capture_output=True,
                          text=True)  # -P: the checkout's kernels/ folder must not shadow the PyPI package
     if run.returncode:
         sys.exit(run.stderr[-3000:])
     result = {"shape": args.shape, "layers": args.layers, "export_gib": size / 2**30, "write_s": write_s,
+              "dtype": args.dtype, "plain_copy_env": os.environ.get("QUANTKIT_PLAIN_COPY"),
               **json.loads(run.stdout.strip().splitlines()[-1]), "torch": torch.__version__}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "reload.json").write_text(json.dumps(result, indent=2))
+    (args.out / f"reload_{args.dtype}_plain{result['plain_copy_env']}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 
 

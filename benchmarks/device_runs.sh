@@ -42,7 +42,9 @@ case $part in
     timeout 570 python benchmarks/bench_layerwise_device.py --layers 4 --out "$OUT/layerwise70b" ;;
   reload70b)
     df -h /tmp | tail -1
-    timeout 570 python benchmarks/bench_reload_device.py --work /tmp/quantkit-reload-70b --out "$OUT/reload70b" ;;
+    timeout 280 python benchmarks/bench_reload_device.py --work /tmp/quantkit-reload-70b --out "$OUT/reload70b"
+    QUANTKIT_PLAIN_COPY=1 timeout 280 python benchmarks/bench_reload_device.py --work /tmp/quantkit-reload-70b \
+      --out "$OUT/reload70b" ;;
   quantize)
     mkdir -p "$OUT/quantize"
     for method in gptq awq-gptq; do
