@@ -6,6 +6,9 @@ SmolLM2 tokenizer) into --dir, one layer at a time so that writing it needs litt
 peak RSS is at most 30% of the checkpoint's size, and doubling the layers raises it by at most 10%.
 `--pair-method rtn` runs the doubled pair with RTN (the same streaming path without the Hessians) when
 GPTQ on twice the layers would take too long: --method then runs on the first checkpoint only.
+`--experts N` writes a Qwen3-MoE-shaped checkpoint instead (N experts of --intermediate each, stored per
+expert as such checkpoints are). `--eval` also runs `quantkit eval CHECKPOINT EXPORT --layerwise` on the first
+checkpoint and its --method export, and reports that peak too (target: at most 35% of the checkpoint).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_streaming_memory.py --dir /work/bench-tmp --size-gb 3 --json r.json
 """
@@ -25,22 +28,26 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import LlamaConfig, PretrainedConfig, Qwen3MoeConfig
 
-from quantkit.models.loading import default_model_path, load_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_streaming_device import checkpoint_shapes  # noqa: E402
 
-
-def _config(layers: int, args: argparse.Namespace, vocab: int) -> LlamaConfig:
-    return LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=layers,
-                       num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 256,
-                       vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=4096, dtype="bfloat16")
+from quantkit.models.loading import default_model_path, load_tokenizer  # noqa: E402
 
 
-def _shapes(config: LlamaConfig) -> dict[str, torch.Size]:
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    state = model.state_dict()
-    return {name: state[name].shape for name in dict.fromkeys(state) if name != "lm_head.weight"}
+def _config(layers: int, args: argparse.Namespace, vocab: int) -> PretrainedConfig:
+    common = dict(hidden_size=args.hidden, num_hidden_layers=layers, num_attention_heads=args.hidden // 64,
+                  num_key_value_heads=args.hidden // 256, vocab_size=vocab, tie_word_embeddings=True,
+                  max_position_embeddings=4096, dtype="bfloat16")
+    if args.experts:
+        return Qwen3MoeConfig(**common, head_dim=64, num_experts=args.experts, num_experts_per_tok=8,
+                              moe_intermediate_size=args.intermediate, norm_topk_prob=True)
+    return LlamaConfig(**common, intermediate_size=args.intermediate)
+
+
+def _shapes(config: PretrainedConfig) -> dict[str, torch.Size]:
+    return {name: shape for name, shape in checkpoint_shapes(config).items() if name != "lm_head.weight"}
 
 
 def write_checkpoint(folder: Path, config: LlamaConfig, tokenizer) -> int:
@@ -68,21 +75,30 @@ def write_checkpoint(folder: Path, config: LlamaConfig, tokenizer) -> int:
     return total
 
 
-def peak_rss_quantizing(source: Path, method: str, args: argparse.Namespace) -> tuple[int, float]:
-    """(peak RSS in bytes of the quantkit process, seconds)."""
+def peak_rss_quantizing(source: Path, method: str, args: argparse.Namespace, evaluate: bool = False) -> dict:
+    """Peak RSS in bytes of the quantkit process and its seconds; with `evaluate`, also those of
+    `quantkit eval SOURCE EXPORT --layerwise` on the export."""
     output = source.with_name(source.name + "-q")
     shutil.rmtree(output, ignore_errors=True)
-    command = ["/usr/bin/time", "-v", sys.executable, "-m", "quantkit", "quantize", str(source), "--method",
-               method, "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen), "--device", "cpu",
-               "--no-eval", "--output", str(output)]
+    found = _peak([sys.executable, "-m", "quantkit", "quantize", str(source), "--method", method, "--nsamples",
+                   str(args.nsamples), "--seqlen", str(args.seqlen), "--device", "cpu", "--no-eval", "--output",
+                   str(output)], "")
+    if evaluate:
+        found |= _peak([sys.executable, "-m", "quantkit", "eval", str(source), str(output), "--layerwise",
+                        "--device", "cpu", "--max-windows", "4", "--seqlen", "256"], "eval_")
+    shutil.rmtree(output, ignore_errors=True)
+    return found
+
+
+def _peak(command: list[str], prefix: str) -> dict:
     start = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    result = subprocess.run(["/usr/bin/time", "-v", *command], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONSAFEPATH": "1"})
     seconds = time.perf_counter() - start
     if result.returncode:
         raise SystemExit(result.stderr[-3000:])
     kbytes = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr).group(1))
-    shutil.rmtree(output, ignore_errors=True)
-    return kbytes * 1024, seconds
+    return {f"{prefix}peak_rss_bytes": kbytes * 1024, f"{prefix}seconds": seconds}
 
 
 def _layers_for(size_gb: float, args: argparse.Namespace, vocab: int) -> int:
@@ -102,6 +118,8 @@ def main() -> None:
     parser.add_argument("--pair-method", help="the method run on both depths (default: --method)")
     parser.add_argument("--nsamples", type=int, default=4)
     parser.add_argument("--seqlen", type=int, default=64)
+    parser.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE shape with this many experts")
+    parser.add_argument("--eval", action="store_true", help="also the layer-wise eval of the first export")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     pair_method = args.pair_method or args.method
@@ -110,15 +128,19 @@ def main() -> None:
     plan = [(layers, list(dict.fromkeys([args.method, pair_method]))), (2 * layers, [pair_method])]
     rows = []
     for depth, methods in plan:
-        folder = args.dir / f"llama-{depth}l"
+        folder = args.dir / f"{'moe' if args.experts else 'llama'}-{depth}l"
         shutil.rmtree(folder, ignore_errors=True)
         size = write_checkpoint(folder, _config(depth, args, len(tokenizer)), tokenizer)
         for method in methods:
-            peak, seconds = peak_rss_quantizing(folder, method, args)
-            rows.append({"method": method, "layers": depth, "checkpoint_bytes": size, "peak_rss_bytes": peak,
-                         "seconds": seconds, "peak_over_size": peak / size})
+            found = peak_rss_quantizing(folder, method, args, evaluate=args.eval and depth == layers)
+            peak = found["peak_rss_bytes"]
+            rows.append({"method": method, "layers": depth, "checkpoint_bytes": size, **found,
+                         "peak_over_size": peak / size})
             print(f"{method}, {depth} layers, {size / 1e9:.2f} GB: peak RSS {peak / 1e9:.3f} GB "
-                  f"({100 * peak / size:.1f}% of the checkpoint), {seconds:.0f} s", flush=True)
+                  f"({100 * peak / size:.1f}% of the checkpoint), {found['seconds']:.0f} s", flush=True)
+            if "eval_peak_rss_bytes" in found:
+                print(f"  quantkit eval --layerwise: peak RSS {found['eval_peak_rss_bytes'] / 1e9:.3f} GB "
+                      f"({100 * found['eval_peak_rss_bytes'] / size:.1f}%), {found['eval_seconds']:.0f} s", flush=True)
         shutil.rmtree(folder, ignore_errors=True)
     ratio = rows[0]["peak_over_size"]
     pair = [r["peak_rss_bytes"] for r in rows if r["method"] == pair_method]
