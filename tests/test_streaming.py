@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -185,6 +186,28 @@ def test_moe_streams_one_layer_at_a_time_with_the_in_memory_bytes(tmp_path, sing
     expert_linears = [n for n in report.layers[0]["linears"] if ".experts." in n]
     assert len(expert_linears) == 3 * model.config.to_dict().get("num_experts", model.config.to_dict().get(
         "num_local_experts"))
+
+
+def test_a_missing_expert_or_a_wrong_index_is_one_line_before_any_work(tmp_path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source = _moe_checkpoint(tmp_path / "src", "qwen3_moe")
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    lost = "model.layers.2.mlp.experts.3.down_proj.weight"
+    shard = source / index["weight_map"][lost]
+    with safe_open(shard, "pt") as f:
+        kept = {k: f.get_tensor(k) for k in f.keys() if k != lost}  # noqa: SIM118
+    save_file(kept, str(shard), metadata={"format": "pt"})
+    with pytest.raises(QuantizationError, match="index places there.*disagree"):
+        open_streamed_model(str(source), torch.float32)
+    del index["weight_map"][lost]  # the index agrees now: the expert is simply not on disk
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    model, ckpt = open_streamed_model(str(source), torch.float32)
+    with pytest.raises(QuantizationError, match=re.escape(f"no tensor {lost!r} (1 missing in layer 2)")):
+        quantize_streaming(model, ckpt, None, random_calibration(), CONFIGS["rtn"], "gptq", tmp_path / "out",
+                           device="cpu", show_progress=False)
+    assert not (tmp_path / "out").exists() and not work_dir_for(tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("read_ahead", [False, True])

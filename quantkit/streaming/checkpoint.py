@@ -54,6 +54,21 @@ class SafetensorsCheckpoint:
                 with safe_open(self.folder / fname, "pt") as f:
                     self.weight_map.update(dict.fromkeys(f.keys(), fname))
 
+    def check_index(self) -> None:
+        """Every shard the index names exists and holds the tensors the index places in it (headers only)."""
+        by_file: dict[str, set[str]] = defaultdict(set)
+        for name, fname in self.weight_map.items():
+            by_file[fname].add(name)
+        for fname, names in sorted(by_file.items()):
+            path = self.folder / fname
+            if not path.is_file():
+                raise QuantizationError(f"{self.folder}: the index names {fname}, which is missing")
+            with safe_open(path, "pt") as f:
+                absent = sorted(names - set(f.keys()))
+            if absent:
+                raise QuantizationError(f"{path} lacks {len(absent)} tensor(s) the index places there, "
+                                        f"e.g. {absent[0]!r}: the shards and the index disagree")
+
     def names(self, prefix: str = "") -> list[str]:
         return [name for name in self.weight_map if name.startswith(prefix)]
 

@@ -34,6 +34,7 @@ from quantkit.formats.base import CheckpointFormat
 from quantkit.models import get_adapter
 from quantkit.models.adapters import ArchAdapter
 from quantkit.models.loading import load_failure
+from quantkit.models.moe import unfuse_experts
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.outputs import apply_umask, check_output_target, replace_atomically
 from quantkit.qtensor import QuantizationError
@@ -55,6 +56,7 @@ def open_streamed_model(source: str, dtype: torch.dtype) -> tuple[PreTrainedMode
     map_large_allocations()
     try:
         ckpt = SafetensorsCheckpoint(source)
+        ckpt.check_index()
         model = build_skeleton(source, dtype)
         load_outside_layers(model, ckpt, get_adapter(model))
     except QuantizationError:
@@ -172,6 +174,8 @@ def quantize_streaming(
         work.remove()
         return output, None
     check_output_target(output, overwrite)
+    unfuse_experts(model, adapter)  # the layers' per-expert names, which the checkpoint must hold
+    StreamedLayers(ckpt, adapter, torch_dtype).check_complete(adapter.get_layers(model))
     with _disk_errors(work.path):
         output.parent.mkdir(parents=True, exist_ok=True)
         start = work.open(resume)

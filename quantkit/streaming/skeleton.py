@@ -118,6 +118,15 @@ class StreamedLayers:
         self.held -= 1
         _return_freed_memory()
 
+    def check_complete(self, layers: nn.ModuleList) -> None:
+        """Every tensor of every layer is in the checkpoint (per expert, or in fused experts), said before any work:
+        a missing expert would otherwise stop the run at its layer."""
+        for index, layer in enumerate(layers):
+            missing = [n for n in layer.state_dict(keep_vars=True) if not self._available(index, n)]
+            if missing:
+                raise QuantizationError(f"{self.ckpt.folder}: the checkpoint has no tensor "
+                                        f"{self._on_disk(index, missing[0])!r} ({len(missing)} missing in layer {index})")
+
     def _on_disk(self, index: int, name: str) -> str:
         """The checkpoint's name of the layer's tensor `name` (MoE experts: quantkit's per-expert names, which
         the architecture's checkpoints write per expert too, Mixtral's under its own names)."""
