@@ -265,99 +265,166 @@ def quantize_signature() -> inspect.Signature:
 quantize.__signature__ = quantize_signature()  # type: ignore[attr-defined]
 
 
-def _quantize(model, method, bits, group_size, asym, act_bits, format, calib, nsamples, seqlen, seed, chat_template,
-              output, overwrite, dtype, device, batch_size, evaluate, eval_windows, trust_remote_code, allow_pickle,
-              verbose, moe_all_tokens, resume, resume_interval, offload_dir, **method_options) -> None:
+@dataclass(frozen=True)
+class QuantizeJob:
+    """`quantkit quantize` as asked: the flags, each once, read by the steps below."""
+
+    model: str | None
+    method: str
+    bits: int
+    group_size: str
+    asym: bool
+    act_bits: int
+    format: str
+    calib: str | None
+    nsamples: int | None
+    seqlen: int
+    seed: int
+    chat_template: bool
+    output: Path | None
+    overwrite: bool
+    dtype: str
+    device: str | None
+    batch_size: int
+    evaluate: bool
+    eval_windows: int
+    trust_remote_code: bool
+    allow_pickle: bool
+    verbose: bool
+    moe_all_tokens: bool
+    resume: bool
+    resume_interval: float
+    offload_dir: Path | None
+    method_options: dict[str, Any]
+
+    @classmethod
+    def from_flags(cls, flags: dict[str, Any]) -> QuantizeJob:
+        own = {f.name for f in fields(cls)} - {"method_options"}
+        return cls(**{k: v for k, v in flags.items() if k in own},
+                   method_options={k: v for k, v in flags.items() if k not in own})
+
+    def planned_scheme(self) -> QuantConfig:
+        """The scheme before the model is read: the method, its options and the flags, checked together."""
+        from quantkit.quantizers.base import method_class
+
+        options = method_class(self.method).options_class.from_dict(
+            method_options_for(self.method, self.method_options))
+        return QuantConfig(method=self.method, bits=self.bits, group_size=parse_group_size(self.group_size),
+                           sym=not self.asym, act_bits=self.act_bits, moe_all_tokens=self.moe_all_tokens,
+                           options=options).validate()
+
+
+def _quantize(**flags: Any) -> None:
     from quantkit.data import build_calibration_set, load_passages
-    from quantkit.engine import quantize_model
-    from quantkit.export import export_checkpoint, export_dtype, scale_dtype_for
+    from quantkit.export import export_dtype, scale_dtype_for
     from quantkit.formats import get_format
     from quantkit.models import get_adapter, load_model
     from quantkit.models.loading import default_dtype, load_tokenizer
     from quantkit.outputs import output_lock
     from quantkit.preflight import check_quantize_request, check_writable_folder, resolve_device
-    from quantkit.quantizers.base import method_class
     from quantkit.streaming import open_streamed_model, streamable_reason
 
-    work_device = resolve_device(device)
-    if nsamples is None:
-        nsamples = default_nsamples(work_device)
-    options = method_class(method).options_class.from_dict(method_options_for(method, method_options))
-
-    planned = QuantConfig(method=method, bits=bits, group_size=parse_group_size(group_size), sym=not asym,
-                          act_bits=act_bits, moe_all_tokens=moe_all_tokens, options=options).validate()
-    get_format(format).check(planned)  # the scheme, before any loading
+    job = QuantizeJob.from_flags(flags)
+    work_device = resolve_device(job.device)
+    nsamples = default_nsamples(work_device) if job.nsamples is None else job.nsamples
+    planned = job.planned_scheme()
+    get_format(job.format).check(planned)  # the scheme, before any loading
     if planned.method_fixes():
-        console.print(f"{method} fixes " + ", ".join(f"{k}={v}" for k, v in planned.method_fixes().items()))
-    if output is None:
-        output = default_output(model, method, bits, planned.act_bits, group_size)
+        console.print(f"{job.method} fixes " + ", ".join(f"{k}={v}" for k, v in planned.method_fixes().items()))
+    output = job.output or default_output(job.model, job.method, job.bits, planned.act_bits, job.group_size)
     check_writable_folder("--output", output)  # before the lock beside it is made
     with output_lock(output):  # one run per output, from its checks to its export
-        check_quantize_request(source=model, calib=calib, output=output, overwrite=overwrite, nsamples=nsamples,
-                               seqlen=seqlen, batch_size=batch_size, eval_windows=eval_windows if evaluate else None,
-                               dtype=dtype, bits=bits, offload_dir=offload_dir, resume_interval=resume_interval)
+        check_quantize_request(source=job.model, calib=job.calib, output=output, overwrite=job.overwrite,
+                               nsamples=nsamples, seqlen=job.seqlen, batch_size=job.batch_size,
+                               eval_windows=job.eval_windows if job.evaluate else None, dtype=job.dtype,
+                               bits=job.bits, offload_dir=job.offload_dir, resume_interval=job.resume_interval)
         _phase("reading the calibration text")
-        passages = load_passages(calib)
-        not_streamed = streamable_reason(model, trust_remote_code)
+        passages = load_passages(job.calib)
+        not_streamed = streamable_reason(job.model, job.trust_remote_code)
         if not_streamed is None:
-            _phase(f"loading {model} layer by layer (streaming)")
-            lm, ckpt = open_streamed_model(model, default_dtype(work_device))
-            tokenizer = load_tokenizer(model)
+            _phase(f"loading {job.model} layer by layer (streaming)")
+            lm, ckpt = open_streamed_model(job.model, default_dtype(work_device))
+            tokenizer = load_tokenizer(job.model)
         else:
-            _phase(f"loading {model or 'the embedded default model'} whole: {not_streamed}")
-            lm, tokenizer = load_model(model, dtype=default_dtype(work_device), trust_remote_code=trust_remote_code,
-                                       allow_pickle=allow_pickle)
+            _phase(f"loading {job.model or 'the embedded default model'} whole: {not_streamed}")
+            lm, tokenizer = load_model(job.model, dtype=default_dtype(work_device),
+                                       trust_remote_code=job.trust_remote_code, allow_pickle=job.allow_pickle)
         adapter = get_adapter(lm)
         # scales rounded to the dtype the export serves in (bf16 for Gemma or --dtype bfloat16)
-        serving = scale_dtype_for(export_dtype(lm, dtype))
+        serving = scale_dtype_for(export_dtype(lm, job.dtype))
         config = dataclasses.replace(planned, scale_dtype=serving).for_model(lm, adapter)
         console.print(f"[bold]{lm.config.model_type}[/] {config.method} W{config.bits}A{config.act_bits} "
-                      f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {format}, "
-                      f"{nsamples} x {seqlen} calibration tokens on {work_device}")
-        calib_set = build_calibration_set(tokenizer, passages, nsamples, seqlen, seed, chat_template)
+                      f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {job.format}, "
+                      f"{nsamples} x {job.seqlen} calibration tokens on {work_device}")
+        calib_set = build_calibration_set(tokenizer, passages, nsamples, job.seqlen, job.seed, job.chat_template)
         if not_streamed is None:
-            _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, format, output, dtype, work_device,
-                               batch_size, overwrite, resume, resume_interval, evaluate, offload_dir)
-            return
-        if evaluate:
-            _phase("held-out perplexity of the original model")
-        before = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
-        report = quantize_model(lm.cpu(), adapter, calib_set, config, device=work_device, batch_size=batch_size,
-                                offload_dir=offload_dir)
-        if evaluate:
-            _phase("held-out perplexity of the quantized model")
-        after = _heldout_ppl(lm.to(work_device), tokenizer, eval_windows, 512) if evaluate else {}
-        _phase(f"exporting to {output}")
-        out = export_checkpoint(lm.cpu(), tokenizer, output, config, format, report=report.to_dict(),
-                                dtype=dtype, overwrite=overwrite)
-        _print_summary(report, out)
-        if evaluate:
-            table = Table(title="held-out perplexity")
-            table.add_column("text")
-            table.add_column("original", justify="right")
-            table.add_column("quantized", justify="right")
-            table.add_column("delta", justify="right")
-            for name in before:
-                table.add_row(name, f"{before[name]:.3f}", f"{after[name]:.3f}", f"{after[name] - before[name]:+.3f}")
-            Console().print(table)
+            _quantize_streamed(job, lm, ckpt, tokenizer, calib_set, config, output, work_device)
+        else:
+            _quantize_whole(job, lm, tokenizer, calib_set, config, output, work_device)
 
 
-def _quantize_streamed(lm, ckpt, tokenizer, calib_set, config, fmt_name: str, output: Path, dtype: str,
-                       work_device: str, batch_size: int, overwrite: bool, resume: bool, resume_interval: float,
-                       evaluate: bool, offload_dir: Path | None) -> None:
+def _quantize_whole(job: QuantizeJob, lm, tokenizer, calib_set, config: QuantConfig, output: Path,
+                    work_device: str) -> None:
+    from quantkit.engine import quantize_model
+    from quantkit.export import export_checkpoint
+    from quantkit.models import get_adapter
+
+    if job.evaluate:
+        _phase("held-out perplexity of the original model")
+    before = _heldout_ppl(lm.to(work_device), tokenizer, job.eval_windows, 512) if job.evaluate else {}
+    report = quantize_model(lm.cpu(), get_adapter(lm), calib_set, config, device=work_device,
+                            batch_size=job.batch_size, offload_dir=job.offload_dir)
+    if job.evaluate:
+        _phase("held-out perplexity of the quantized model")
+    after = _heldout_ppl(lm.to(work_device), tokenizer, job.eval_windows, 512) if job.evaluate else {}
+    _phase(f"exporting to {output}")
+    out = export_checkpoint(lm.cpu(), tokenizer, output, config, job.format, report=report.to_dict(),
+                            dtype=job.dtype, overwrite=job.overwrite)
+    _print_summary(report, out)
+    if job.evaluate:
+        _print_heldout({name: (before[name], after[name], None) for name in before})
+
+
+def _quantize_streamed(job: QuantizeJob, lm, ckpt, tokenizer, calib_set, config: QuantConfig, output: Path,
+                       work_device: str) -> None:
     from quantkit.streaming import quantize_streaming
 
-    if evaluate:
-        console.print("held-out perplexity needs the whole model in memory: skipped while streaming "
-                      "(run `quantkit eval` on the export)")
     _phase(f"quantizing layer by layer, exporting to {output}")
-    out, report = quantize_streaming(lm, ckpt, tokenizer, calib_set, config, fmt_name, output, dtype=dtype,
-                                     device=work_device, batch_size=batch_size, overwrite=overwrite, resume=resume,
-                                     offload_dir=offload_dir, resume_interval=resume_interval)
+    out, report = quantize_streaming(lm, ckpt, tokenizer, calib_set, config, job.format, output, dtype=job.dtype,
+                                     device=work_device, batch_size=job.batch_size, overwrite=job.overwrite,
+                                     resume=job.resume, offload_dir=job.offload_dir,
+                                     resume_interval=job.resume_interval)
     if report is None:
         console.print(f"the export of this command was already complete -> [bold]{out}[/]")
         return
     _print_summary(report, out)
+    if job.evaluate:
+        _phase("held-out perplexity and KL of the original and the export, one layer at a time")
+        _print_heldout(_layerwise_heldout(job.model, out, tokenizer, job.eval_windows, work_device))
+
+
+def _layerwise_heldout(source: str, export: Path, tokenizer, windows: int, device: str) -> dict:
+    from quantkit.data import default_heldout_texts, load_text
+    from quantkit.eval.layerwise import layerwise_perplexity
+
+    found = {}
+    for name, path in default_heldout_texts().items():
+        original, quantized = layerwise_perplexity([source, export], tokenizer, load_text(path), seqlen=512,
+                                                   max_windows=windows, device=device)
+        found[name] = (original["ppl"], quantized["ppl"], quantized["kl"])
+    return found
+
+
+def _print_heldout(rows: dict[str, tuple[float, float, float | None]]) -> None:
+    """Per held-out text: the original's and the quantized model's perplexity, and the KL where measured."""
+    table = Table(title="held-out perplexity")
+    for header in ("text", "original", "quantized", "delta", *(["KL"] if any(r[2] is not None for r in rows.values())
+                                                                 else [])):
+        table.add_column(header, justify="left" if header == "text" else "right")
+    for name, (before, after, kl) in rows.items():
+        table.add_row(name, f"{before:.3f}", f"{after:.3f}", f"{after - before:+.3f}",
+                      *([] if kl is None else [f"{kl:.4f}"]))
+    Console().print(table)
 
 
 def _print_summary(report, out: Path) -> None:

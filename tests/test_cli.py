@@ -296,3 +296,22 @@ def test_moe_all_tokens_reaches_the_calibration(tmp_path, tokenizer) -> None:
     assert meta["quant_config"]["moe_all_tokens"] is True
     tokens = {meta["report"]["layers"][0]["linears"][f"mlp.experts.{e}.up_proj"]["tokens"] for e in range(EXPERTS)}
     assert tokens == {meta["report"]["calibration_tokens"]}
+
+
+def test_a_streamed_run_evaluates_its_export_layer_by_layer(tiny_llama, tmp_path, tokenizer) -> None:
+    """--eval on a streamed run: each held-out text's perplexity before and after and the KL, computed one layer
+    at a time, are what quantkit.eval.layerwise gives for the source and the export."""
+    from quantkit.data import default_heldout_texts, load_text
+    from quantkit.eval.layerwise import layerwise_perplexity
+
+    out = tmp_path / "q"
+    result = _Result(["quantize", str(tiny_llama), "--method", "rtn", "--output", str(out), "--nsamples", "4",
+                      "--seqlen", "64", "--eval", "--eval-windows", "2", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "held-out perplexity" in result.output and "KL" in result.output
+    name, path = next(iter(default_heldout_texts().items()))
+    original, quantized = layerwise_perplexity([tiny_llama, out], tokenizer, load_text(path), max_windows=2,
+                                               device="cpu")
+    row = result.output[result.output.index(name):]
+    assert row.split()[:9:2] == [name, f"{original['ppl']:.3f}", f"{quantized['ppl']:.3f}",
+                                 f"{quantized['ppl'] - original['ppl']:+.3f}", f"{quantized['kl']:.4f}"]
