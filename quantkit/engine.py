@@ -39,7 +39,7 @@ from quantkit.models.moe import (
 )
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError, QuantizedWeight
-from quantkit.quantizers.base import Method, get_method
+from quantkit.quantizers.base import LinearQuantizer, Method, get_method
 from quantkit.quantizers.context import LayerContext, StopForward
 
 log = logging.getLogger("quantkit")
@@ -174,10 +174,11 @@ def _quantize_step(
     experts = ctx.adapter.experts
     quantizers = {n: low_token_guard(method, lin, n, ctx.index) if experts and experts.is_expert_linear(n)
                   else method.linear_quantizer(lin) for n, lin in linears.items()}
+    shared = _same_input_sharers(ctx.adapter, quantizers)
     if method.needs_activations:
         handles = [
             lin.register_forward_hook(lambda _m, args, _o, n=n: quantizers[n].add_batch(ctx.real_tokens(args[0])))
-            for n, lin in linears.items()
+            for n, lin in linears.items() if n not in shared
         ]
         try:
             with timer("forward+statistics"):
@@ -185,6 +186,8 @@ def _quantize_step(
         finally:
             for h in handles:
                 h.remove()
+    for sharer, owner in shared.items():
+        quantizers[sharer].take_statistics(quantizers[owner])
     results = {}
     with timer("solve"):
         for n, q in quantizers.items():
@@ -196,6 +199,18 @@ def _quantize_step(
             linears[n].weight.data.copy_(qw.dequantize(linears[n].weight.dtype))
             results[n] = qw
     return results
+
+
+def _same_input_sharers(adapter: ArchAdapter, quantizers: dict[str, LinearQuantizer]) -> dict[str, str]:
+    """Linear -> the linear of the same step whose statistics it takes: the adapter's fused groups read one input
+    (q/k/v, gate/up, per expert), so one accumulation (GPTQ: one Hessian) serves the group."""
+    shared = {}
+    for group in adapter.fused:
+        present = [n for n in group if n in quantizers]
+        for name in present[1:]:
+            if quantizers[name].shares_statistics_with(quantizers[present[0]]):
+                shared[name] = present[0]
+    return shared
 
 
 def _memory_note(device: torch.device) -> str:

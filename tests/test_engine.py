@@ -151,3 +151,41 @@ def test_no_quantizer_module_imports_the_engine() -> None:
             else:
                 continue
             assert not any(n == "quantkit.engine" or n.startswith("quantkit.engine.") for n in names), source
+
+
+def test_linears_reading_one_input_share_one_hessian(monkeypatch) -> None:
+    """q/k/v and gate/up (per expert too) take the first one's Hessian, the same tensor: one accumulation each."""
+    from test_moe import tiny_moe
+
+    from quantkit.config import QuantConfig
+    from quantkit.engine import quantize_model
+    from quantkit.models import get_adapter
+    from quantkit.quantizers.gptq import GPTQQuantizer
+
+    fed: list[nn.Module] = []
+    solved: dict[int, torch.Tensor] = {}
+    original_add, original_quantize = GPTQQuantizer.add_batch, GPTQQuantizer.quantize
+
+    def add_batch(self, x):
+        fed.append(self.linear)
+        original_add(self, x)
+
+    def quantize(self):
+        solved[id(self.linear)] = self.H
+        return original_quantize(self)
+
+    monkeypatch.setattr(GPTQQuantizer, "add_batch", add_batch)
+    monkeypatch.setattr(GPTQQuantizer, "quantize", quantize)
+    from quantkit.models.moe import unfuse_experts
+
+    model = tiny_moe("qwen3_moe", num_hidden_layers=1)
+    unfuse_experts(model, get_adapter(model))  # the per-expert linears, named before they are replaced
+    names = {id(m): n for n, m in model.model.layers[0].named_modules()}
+    quantize_model(model, get_adapter(model), random_calibration(), QuantConfig(method="gptq", group_size=32),
+                   device="cpu", show_progress=False)
+    fed_names = {names.get(id(m), "?") for m in fed}
+    assert {"self_attn.q_proj", "self_attn.o_proj", "mlp.experts.0.gate_proj", "mlp.experts.0.down_proj"} <= fed_names
+    assert not fed_names & {"self_attn.k_proj", "self_attn.v_proj", "mlp.experts.0.up_proj"}
+    by_name = {names[i]: h for i, h in solved.items() if i in names}
+    assert by_name["self_attn.k_proj"] is by_name["self_attn.q_proj"] is by_name["self_attn.v_proj"]
+    assert by_name["mlp.experts.0.up_proj"] is by_name["mlp.experts.0.gate_proj"]

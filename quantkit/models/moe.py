@@ -298,6 +298,14 @@ class LowTokenGuard(LinearQuantizer):
         self.tokens += x.shape[0]
         self.inner.add_batch(x)
 
+    def shares_statistics_with(self, owner: LinearQuantizer) -> bool:
+        return isinstance(owner, LowTokenGuard) and self.inner.shares_statistics_with(owner.inner)
+
+    def take_statistics(self, owner: LinearQuantizer) -> None:
+        assert isinstance(owner, LowTokenGuard)
+        self.tokens = owner.tokens
+        self.inner.take_statistics(owner.inner)
+
     def quantize(self) -> QuantizedWeight:
         threshold = self.linear.in_features
         if 0 < self.tokens < threshold:

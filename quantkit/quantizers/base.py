@@ -45,6 +45,15 @@ class LinearQuantizer(ABC):
     def free(self) -> None:  # noqa: B027 - optional hook
         """Release statistics (called after quantize)."""
 
+    def shares_statistics_with(self, owner: LinearQuantizer) -> bool:
+        """Whether this quantizer can take `owner`'s statistics instead of gathering its own, for a linear that
+        reads the same input (q/k/v, gate/up): no second accumulation, one copy in memory."""
+        return False
+
+    def take_statistics(self, owner: LinearQuantizer) -> None:
+        """Take `owner`'s statistics, gathered now (only where shares_statistics_with said yes)."""
+        raise NotImplementedError
+
 
 class Method(ABC):
     name: ClassVar[str]

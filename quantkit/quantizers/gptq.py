@@ -384,6 +384,13 @@ class GPTQQuantizer(LinearQuantizer):
         self.H = None
         self.nsamples = 0
 
+    def shares_statistics_with(self, owner: LinearQuantizer) -> bool:
+        return isinstance(owner, GPTQQuantizer) and owner.linear.in_features == self.linear.in_features
+
+    def take_statistics(self, owner: LinearQuantizer) -> None:
+        assert isinstance(owner, GPTQQuantizer)
+        self.H, self.nsamples = owner.H, owner.nsamples  # the same tensor: nothing writes to H after statistics
+
 
 @register
 class GPTQ(Method):
