@@ -114,10 +114,11 @@ def layerwise_scores(sources: list[str | Path], windows: torch.Tensor, batch_siz
         hidden, _ = model.final_hidden_states(calib, batch_size)
         nll = kl = 0.0
         for b, target in enumerate(targets):
-            logits = model.logits(hidden[b])
-            nll += summed_nll(logits, target)
-            if reference is not None:
-                kl += summed_kl(reference[0].logits(reference[1][b]), logits)
+            for row in range(len(target)):  # one window's logits at a time: [T, vocab] twice, not [B, T, vocab]
+                logits = model.logits(hidden[b][row:row + 1])
+                nll += summed_nll(logits, target[row:row + 1])
+                if reference is not None:
+                    kl += summed_kl(reference[0].logits(reference[1][b][row:row + 1]), logits)
         entry = {"ppl": math.exp(nll / count), "nll": nll / count, "tokens": count, "windows": len(windows),
                  "layerwise": True}
         scores.append(entry if reference is None else entry | {"kl": kl / count})
