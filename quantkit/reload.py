@@ -21,7 +21,7 @@ from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.qqq_grids import recover_channel_scales
 from quantkit.streaming.checkpoint import SafetensorsCheckpoint
-from quantkit.streaming.skeleton import map_large_allocations, set_tensor
+from quantkit.streaming.skeleton import large_allocations_mapped, set_tensor
 
 
 def _module_keys(names: Iterable[str], marker: str) -> dict[str, list[str]]:
@@ -117,9 +117,9 @@ def load_quantized(
     """The export as a model whose quantized linears are QuantLinear modules, built on `device` directly: host
     memory holds one module's tensors (or one embedding), never the model (a 70B W4A16 export loads onto one
     GPU)."""
-    map_large_allocations()  # each module's transient copies go back to the OS when freed, not to the heap
-    reader = ExportReader(folder, dtype)
-    reader.materialize(device)
+    with large_allocations_mapped():  # each module's transient copies go back to the OS when freed
+        reader = ExportReader(folder, dtype)
+        reader.materialize(device)
     reader.check_complete()
     reader.model.to(device).eval()  # the computed buffers (rotary tables); every weight is there already
     return reader.model, reader.tokenizer()

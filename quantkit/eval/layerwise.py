@@ -27,7 +27,7 @@ from quantkit.models.moe import unfuse_experts
 from quantkit.quantizers.context import LayerContext
 from quantkit.reload import ExportReader
 from quantkit.streaming import open_streamed_model
-from quantkit.streaming.skeleton import StreamedLayers, map_large_allocations
+from quantkit.streaming.skeleton import StreamedLayers, large_allocations_mapped
 
 log = logging.getLogger("quantkit")
 
@@ -99,7 +99,12 @@ def layerwise_perplexity(sources: list[str | Path], tokenizer, text: str, seqlen
 def layerwise_scores(sources: list[str | Path], windows: torch.Tensor, batch_size: int = 4, device: str | None = None,
                      dtype: torch.dtype | None = None) -> list[dict]:
     """layerwise_perplexity's scores on token windows [windows, T] (each predicting its tokens 1..T-1)."""
-    map_large_allocations()
+    with large_allocations_mapped():  # each layer's weights go back to the OS when released
+        return _layerwise_scores(sources, windows, batch_size, device, dtype)
+
+
+def _layerwise_scores(sources: list[str | Path], windows: torch.Tensor, batch_size: int, device: str | None,
+                      dtype: torch.dtype | None) -> list[dict]:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
     calib = CalibrationSet(windows, torch.ones_like(windows))

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 from accelerate import init_empty_weights
@@ -72,7 +74,7 @@ def release_outside_layers(model: PreTrainedModel, adapter: ArchAdapter, ckpt: S
             meta = tensor.detach().to("meta")
             stand_ins[id(tensor)] = nn.Parameter(meta, False) if isinstance(tensor, nn.Parameter) else meta
         set_tensor(model, name, stand_ins[id(tensor)])
-    _return_freed_memory()
+    return_freed_memory()
 
 
 def read_outside_tensor(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, name: str) -> torch.Tensor:
@@ -116,7 +118,7 @@ class StreamedLayers:
         layer.to("meta")
         self.live -= 1
         self.held -= 1
-        _return_freed_memory()
+        return_freed_memory()
 
     def check_complete(self, layers: nn.ModuleList) -> None:
         """Every tensor of every layer is in the checkpoint (per expert, or in fused experts), said before any work:
@@ -185,9 +187,11 @@ class StreamedLayers:
             self._prefetched = (index, self._reader.submit(self._read_layer, index, names))
 
 
-# glibc's mmap threshold (M_MMAP_THRESHOLD) and the size it is set to while streaming.
+# glibc's mmap threshold (M_MMAP_THRESHOLD), the size it is set to while streaming, and the most its dynamic
+# adjustment raises it to on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX), where a long-running process settles
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_BYTES = 2**20
+_DYNAMIC_THRESHOLD_MAX_BYTES = 32 * 2**20
 
 
 def map_large_allocations() -> None:
@@ -197,13 +201,29 @@ def map_large_allocations() -> None:
     such tensors (a layer's weights, GPTQ's Hessians and factors) come from the heap, whose freed blocks
     stay resident until a trim; a fixed threshold also turns the dynamic raise off (mallopt(3)).
     Process-wide: set by open_streamed_model, whose whole point is a bounded resident set."""
+    _set_mmap_threshold(_MMAP_THRESHOLD_BYTES)
+
+
+@contextmanager
+def large_allocations_mapped() -> Iterator[None]:
+    """map_large_allocations for the block only: after it, blocks under 32 MiB come from the heap again, as glibc's
+    dynamic threshold would have it (a mapping per tensor slowed the compute of a whole test worker by a quarter)."""
+    map_large_allocations()
     try:
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+        yield
+    finally:
+        _set_mmap_threshold(_DYNAMIC_THRESHOLD_MAX_BYTES)
+        return_freed_memory()
+
+
+def _set_mmap_threshold(size: int) -> None:
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, size)
     except (OSError, AttributeError):  # not glibc: its own policy applies
         pass
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Hand the freed layer back to the OS: with several threads allocating, glibc keeps freed blocks in
     per-thread arenas, and the resident set grew by about a layer per layer without this."""
     try:
