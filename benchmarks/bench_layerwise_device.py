@@ -60,7 +60,8 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    scores = layerwise_scores([source, export], windows, batch_size=args.batch_size, device=str(device), dtype=dtype)
+    scores = layerwise_scores([source, export], {"random": windows}, batch_size=args.batch_size, device=str(device),
+                              dtype=dtype)["random"]
     seconds = time.perf_counter() - start
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "shape": args.shape,

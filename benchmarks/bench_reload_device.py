@@ -98,8 +98,7 @@ def random_tensor(name: str, dtype: torch.dtype, shape: list[int], config: Llama
     if name.endswith("weight_packed"):
         return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, device=device, generator=generator).cpu()
     if name.endswith("weight_shape"):
-        in_f = shape_of(name, config)[1]
-        return torch.tensor([shape_of(name, config)[0], in_f], dtype=torch.int64)
+        return torch.tensor(shape_of(name, config), dtype=torch.int64)
     if name.endswith("weight_scale"):
         return (torch.rand(shape, device=device, generator=generator) * 0.004 + 0.004).half().cpu()
     if "norm" in name:

@@ -407,12 +407,9 @@ def _layerwise_heldout(source: str, export: Path, tokenizer, windows: int, devic
     from quantkit.data import default_heldout_texts, load_text
     from quantkit.eval.layerwise import layerwise_perplexity
 
-    found = {}
-    for name, path in default_heldout_texts().items():
-        original, quantized = layerwise_perplexity([source, export], tokenizer, load_text(path), seqlen=512,
-                                                   max_windows=windows, device=device)
-        found[name] = (original["ppl"], quantized["ppl"], quantized["kl"])
-    return found
+    texts = {name: load_text(path) for name, path in default_heldout_texts().items()}
+    scores = layerwise_perplexity([source, export], tokenizer, texts, seqlen=512, max_windows=windows, device=device)
+    return {name: (original["ppl"], quantized["ppl"], quantized["kl"]) for name, (original, quantized) in scores.items()}
 
 
 def _print_heldout(rows: dict[str, tuple[float, float, float | None]]) -> None:

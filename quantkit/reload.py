@@ -71,10 +71,11 @@ class ExportReader:
         self.stored = {checkpoint_name(self.model, k, reverse=True): k for k in self.ckpt.weight_map}  # ours: file's
         self.modules = _module_keys(self.stored, self.fmt.marker_tensor)
         self.two_level = self.scheme.act_bits == 8 and _quantkit_method(self.folder) == "qqq"
+        names = set(self.model.state_dict(keep_vars=True))
         replaced = {f"{prefix}.{leaf}" for prefix in self.modules for leaf in ("weight", "bias")}
-        self.dense = sorted((set(self.model.state_dict(keep_vars=True)) - replaced) & set(self.stored))
+        self.dense = sorted((names - replaced) & set(self.stored))
         packed = {f"{prefix}.{leaf}" for prefix, leaves in self.modules.items() for leaf in leaves}
-        self.unexpected = sorted(set(self.stored) - packed - set(self.model.state_dict(keep_vars=True)))
+        self.unexpected = sorted(set(self.stored) - packed - names)
 
     def materialize(self, device: torch.device | str, within: str = "", outside: str | None = None) -> None:
         """Build every module and tensor whose name starts with `within` (and not with `outside`) on `device`."""

@@ -310,8 +310,8 @@ def test_a_streamed_run_evaluates_its_export_layer_by_layer(tiny_llama, tmp_path
     assert result.exit_code == 0, result.output
     assert "held-out perplexity" in result.output and "KL" in result.output
     name, path = next(iter(default_heldout_texts().items()))
-    original, quantized = layerwise_perplexity([tiny_llama, out], tokenizer, load_text(path), max_windows=2,
-                                               device="cpu")
+    original, quantized = layerwise_perplexity([tiny_llama, out], tokenizer, {name: load_text(path)}, max_windows=2,
+                                               device="cpu")[name]
     row = result.output[result.output.index(name):]
     assert row.split()[:9:2] == [name, f"{original['ppl']:.3f}", f"{quantized['ppl']:.3f}",
                                  f"{quantized['ppl'] - original['ppl']:+.3f}", f"{quantized['kl']:.4f}"]

@@ -21,6 +21,7 @@ from quantkit.streaming.skeleton import StreamedLayers
 
 VOCAB = 128
 TEXT = "the quick brown fox jumps over the lazy dog; " * 40
+OTHER = "pack my box with five dozen liquor jugs. " * 5
 
 
 class CharTokenizer:
@@ -68,18 +69,23 @@ def test_layerwise_scores_are_the_whole_models_scores(tmp_path, kind: str, monke
     original_load = StreamedLayers.load
     monkeypatch.setattr(StreamedLayers, "load",
                         lambda self, i, layer: (original_load(self, i, layer), live.append(self.live))[0])
-    streamed = layerwise_perplexity([source, export], CharTokenizer(), TEXT, seqlen=64, max_windows=6, batch_size=4,
-                                    device="cpu", dtype=torch.float32)
-    assert live == [1, 1, 1]  # the original's layers, one at a time
+    texts = {"text": TEXT, "other": OTHER}  # both in one pass through each model
+    per_text = layerwise_perplexity([source, export], CharTokenizer(), texts, seqlen=64, max_windows=6,
+                                    batch_size=4, device="cpu", dtype=torch.float32)
+    assert live == [1, 1, 1]  # the original's layers, one at a time, once for both texts
     original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     quantized, _ = load_quantized(export, dtype=torch.float32)
-    whole = [perplexity(original, CharTokenizer(), TEXT, seqlen=64, max_windows=6, batch_size=4),
-             perplexity(quantized, CharTokenizer(), TEXT, seqlen=64, max_windows=6, batch_size=4, reference=original)]
-    for ours, reference in zip(streamed, whole, strict=True):
-        assert ours["tokens"] == reference["tokens"] and ours["windows"] == reference["windows"] == 6
-        assert math.isclose(ours["nll"], reference["nll"], rel_tol=1e-5)
-    assert "kl" not in streamed[0]
-    assert streamed[1]["kl"] > 0 and math.isclose(streamed[1]["kl"], whole[1]["kl"], rel_tol=1e-4, abs_tol=1e-7)
+    for label, text in texts.items():
+        streamed = per_text[label]
+        whole = [perplexity(original, CharTokenizer(), text, seqlen=64, max_windows=6, batch_size=4),
+                 perplexity(quantized, CharTokenizer(), text, seqlen=64, max_windows=6, batch_size=4,
+                            reference=original)]
+        for ours, reference in zip(streamed, whole, strict=True):
+            assert ours["tokens"] == reference["tokens"] and ours["windows"] == reference["windows"]
+            assert math.isclose(ours["nll"], reference["nll"], rel_tol=1e-5)
+        assert "kl" not in streamed[0]
+        assert streamed[1]["kl"] > 0 and math.isclose(streamed[1]["kl"], whole[1]["kl"], rel_tol=1e-4, abs_tol=1e-7)
+    assert per_text["text"][0]["windows"] == 6 and per_text["other"][0]["windows"] == 3
 
 
 def test_eval_goes_layer_by_layer_when_a_model_does_not_fit(tmp_path, smollm2_gguf, monkeypatch) -> None:
@@ -104,15 +110,15 @@ def test_eval_goes_layer_by_layer_when_a_model_does_not_fit(tmp_path, smollm2_gg
     source, export = tmp_path / "src", _export(tmp_path / "src", tmp_path / "export")
     text = tmp_path / "text.txt"
     text.write_text("Quantization keeps the model small. 양자화는 모델을 작게 유지한다. " * 30)
-    monkeypatch.setattr(runner, "_free_bytes", lambda device: 1)
+    monkeypatch.setattr(runner, "device_available", lambda device: 1)
     out = io.StringIO()
     kwargs = dict(texts=[str(text)], limit=None, num_fewshot=None, generations=False, batch_size=2, device="cpu",
                   seqlen=32, max_windows=3, console=Console(file=out, width=200))
     results = runner.run_eval([str(source), str(export)], tasks=[], report_dir=tmp_path / "report",
                               json_path=tmp_path / "r.json", **kwargs)
     assert "does not fit in the free memory of cpu" in out.getvalue()
-    expected = layerwise_perplexity([source, export], tokenizer, text.read_text(), seqlen=32, max_windows=3,
-                                    batch_size=2, device="cpu")
+    expected = layerwise_perplexity([source, export], tokenizer, {"text": text.read_text()}, seqlen=32,
+                                    max_windows=3, batch_size=2, device="cpu")["text"]
     assert [m["perplexity"]["text"] for m in results["models"]] == expected
     assert json.loads((tmp_path / "r.json").read_text())["config"]["layerwise"] is True
     assert "Mean KL(first || model)" in (tmp_path / "report" / "report.md").read_text()

@@ -66,8 +66,8 @@ class _Model:
                 layer.to("meta")
 
     @torch.no_grad()
-    def final_hidden_states(self, calib: CalibrationSet, batch_size: int) -> tuple[list[torch.Tensor], list]:
-        """The hidden states after the last layer, per batch of windows, and the token masks."""
+    def final_hidden_states(self, calib: CalibrationSet, batch_size: int) -> list[torch.Tensor]:
+        """The hidden states after the last layer, per batch of windows."""
         inputs, kwargs, masks = capture_layer_inputs(self.model, self.adapter, calib, self.device, batch_size)
         for i, layer in enumerate(self.adapter.get_layers(self.model)):
             with self.layer(i, layer):
@@ -75,7 +75,7 @@ class _Model:
                 inputs = ctx.forward()
         for name in (self.adapter.outer.final_norm, self.adapter.outer.lm_head):
             self.model.get_submodule(name).to(self.device)
-        return inputs, masks
+        return inputs
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits for every position but the last, as the model's forward computes them."""
@@ -86,48 +86,62 @@ class _Model:
 
 
 @torch.no_grad()
-def layerwise_perplexity(sources: list[str | Path], tokenizer, text: str, seqlen: int = 512,
+def layerwise_perplexity(sources: list[str | Path], tokenizer, texts: dict[str, str], seqlen: int = 512,
                          max_windows: int | None = None, batch_size: int = 4, device: str | None = None,
-                         dtype: torch.dtype | None = None) -> list[dict]:
-    """quantkit.eval.perplexity's scores for each source (safetensors checkpoints streamed, quantkit exports built
-    a layer at a time), every model after the first with "kl" against the first, which stays the reference."""
-    windows = heldout_windows(tokenizer, text, seqlen, max_windows)
-    return [entry | {"seqlen": seqlen} for entry in layerwise_scores(sources, windows, batch_size, device, dtype)]
+                         dtype: torch.dtype | None = None) -> dict[str, list[dict]]:
+    """quantkit.eval.perplexity's scores per text (by label) for each source (safetensors checkpoints streamed,
+    quantkit exports built a layer at a time), every model after the first with "kl" against the first, which
+    stays the reference. Each model is read once for all the texts."""
+    windows = {label: heldout_windows(tokenizer, text, seqlen, max_windows) for label, text in texts.items()}
+    return {label: [entry | {"seqlen": seqlen} for entry in entries]
+            for label, entries in layerwise_scores(sources, windows, batch_size, device, dtype).items()}
 
 
 @torch.no_grad()
-def layerwise_scores(sources: list[str | Path], windows: torch.Tensor, batch_size: int = 4, device: str | None = None,
-                     dtype: torch.dtype | None = None) -> list[dict]:
-    """layerwise_perplexity's scores on token windows [windows, T] (each predicting its tokens 1..T-1)."""
+def layerwise_scores(sources: list[str | Path], windows: dict[str, torch.Tensor], batch_size: int = 4,
+                     device: str | None = None, dtype: torch.dtype | None = None) -> dict[str, list[dict]]:
+    """layerwise_perplexity's scores on token windows [windows, T] per label (each window predicting its tokens
+    1..T-1; every label's windows of one length T)."""
     with large_allocations_mapped():  # each layer's weights go back to the OS when released
         return _layerwise_scores(sources, windows, batch_size, device, dtype)
 
 
-def _layerwise_scores(sources: list[str | Path], windows: torch.Tensor, batch_size: int, device: str | None,
-                      dtype: torch.dtype | None) -> list[dict]:
+def _layerwise_scores(sources: list[str | Path], windows: dict[str, torch.Tensor], batch_size: int,
+                      device: str | None, dtype: torch.dtype | None) -> dict[str, list[dict]]:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
-    calib = CalibrationSet(windows, torch.ones_like(windows))
-    targets = [batch[:, 1:].to(device) for batch in windows.split(batch_size)]
-    count = windows[:, 1:].numel()
+    every = torch.cat(list(windows.values()))  # all texts in one pass through each model
+    calib = CalibrationSet(every, torch.ones_like(every))
+    targets = [batch[:, 1:].to(device) for batch in every.split(batch_size)]
     reference: tuple[_Model, list[torch.Tensor]] | None = None
-    scores = []
+    sums: list[tuple[list[float], list[float]]] = []  # per source: the NLL and KL sums of each window
     for source in sources:
         model = _Model(source, dtype, device)
-        log.info("%s: %d windows through %d layers, one layer at a time", source, len(windows),
+        log.info("%s: %d windows through %d layers, one layer at a time", source, len(every),
                  len(model.adapter.get_layers(model.model)))
-        hidden, _ = model.final_hidden_states(calib, batch_size)
-        nll = kl = 0.0
+        hidden = model.final_hidden_states(calib, batch_size)
+        nll, kl = [], []
         for b, target in enumerate(targets):
             for row in range(len(target)):  # one window's logits at a time: [T, vocab] twice, not [B, T, vocab]
                 logits = model.logits(hidden[b][row:row + 1])
-                nll += summed_nll(logits, target[row:row + 1])
+                nll.append(summed_nll(logits, target[row:row + 1]))
                 if reference is not None:
-                    kl += summed_kl(reference[0].logits(reference[1][b][row:row + 1]), logits)
-        entry = {"ppl": math.exp(nll / count), "nll": nll / count, "tokens": count, "windows": len(windows),
-                 "layerwise": True}
-        scores.append(entry if reference is None else entry | {"kl": kl / count})
+                    kl.append(summed_kl(reference[0].logits(reference[1][b][row:row + 1]), logits))
+        sums.append((nll, kl))
         if reference is None:
             reference = (model, hidden)
-    return scores
+    return _scores_per_label(windows, sums)
 
+
+def _scores_per_label(windows: dict[str, torch.Tensor],
+                      sums: list[tuple[list[float], list[float]]]) -> dict[str, list[dict]]:
+    scores, start = {}, 0
+    for label, chunk in windows.items():
+        rows, count = slice(start, start + len(chunk)), chunk[:, 1:].numel()
+        start += len(chunk)
+        scores[label] = []
+        for nll, kl in sums:
+            entry = {"ppl": math.exp(sum(nll[rows]) / count), "nll": sum(nll[rows]) / count, "tokens": count,
+                     "windows": len(chunk), "layerwise": True}
+            scores[label].append(entry | {"kl": sum(kl[rows]) / count} if kl else entry)
+    return scores

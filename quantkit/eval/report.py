@@ -62,9 +62,10 @@ def perplexity_rows(results: dict) -> list[list[str]]:
 def kl_rows(results: dict) -> list[list[str]]:
     """Per text, each model's mean KL(first || model) of the next-token distributions, where it was measured."""
     models = results["models"]
+    if len(models) < 2:
+        return []
     return [[text, "-", *[f"{m['perplexity'][text]['kl']:.4f}" for m in models[1:]], *[""] * (len(models) - 1)]
-            for text in models[0]["perplexity"] if all("kl" in m["perplexity"][text] for m in models[1:])
-            and len(models) > 1]
+            for text in models[0]["perplexity"] if all("kl" in m["perplexity"][text] for m in models[1:])]
 
 
 def speculative_headers(results: dict) -> list[str]:

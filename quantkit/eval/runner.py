@@ -19,6 +19,7 @@ from quantkit.eval import lm_eval_backend, native, report, speculative, speed
 from quantkit.eval.generation import generate
 from quantkit.eval.tasks import Task, build_prompts, get_task
 from quantkit.qtensor import QuantizationError
+from quantkit.streaming.hidden import device_available
 
 BACKENDS = ("native", "lm-eval")
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -199,14 +200,7 @@ def fits(source: str, device: str) -> bool:
     size = sum(f.stat().st_size for f in files)
     if not is_quantkit_export(folder):
         size = size * default_dtype(device).itemsize // 2  # bf16 on disk
-    return size <= 0.9 * _free_bytes(device)
-
-
-def _free_bytes(device: str) -> int:
-    if device.startswith("cuda"):
-        return torch.cuda.mem_get_info(torch.device(device))[0]
-    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    return int(meminfo["MemAvailable"].split()[0]) * 1024
+    return size <= 0.9 * device_available(torch.device(device))
 
 
 def check_layerwise_request(models: list[str], tasks: list[str], generations: bool, draft_tokens: list[int] | None,
@@ -236,17 +230,18 @@ def _evaluate_layerwise(sources: dict[str, str], config: dict, console: Console)
     models = config["models"]
     entries = [{"model": m, "label": Path(m).name or m, "tasks": {}, "perplexity": {}, "generations": []}
                for m in models]
-    tokenizer = load_tokenizer(models[0])
-    for label, source in sources.items():
-        start = time.perf_counter()
-        scores = layerwise_perplexity(models, tokenizer, load_text(source), seqlen=config["seqlen"],
-                                      max_windows=config["max_windows"], batch_size=config["batch_size"],
-                                      device=config["device"])
+    start = time.perf_counter()
+    per_text = layerwise_perplexity(models, load_tokenizer(models[0]),
+                                    {label: load_text(source) for label, source in sources.items()},
+                                    seqlen=config["seqlen"], max_windows=config["max_windows"],
+                                    batch_size=config["batch_size"], device=config["device"])
+    console.print(f"  every text through each model, layer by layer: {time.perf_counter() - start:.1f} s")
+    for label, scores in per_text.items():
         for entry, score in zip(entries, scores, strict=True):
             entry["perplexity"][label] = score
-        console.print(f"  perplexity {label}, layer by layer: " + ", ".join(
+        console.print(f"  perplexity {label}: " + ", ".join(
             f"{e['label']} {s[report.PPL_KEY]:.3f}" + (f" (KL {s['kl']:.4f})" if "kl" in s else "")
-            for e, s in zip(entries, scores, strict=True)) + f" ({time.perf_counter() - start:.1f} s)")
+            for e, s in zip(entries, scores, strict=True)))
     for i, entry in enumerate(entries):
         entry["label"] = _unique_label(entry["label"], [e["label"] for e in entries[:i]])
     return entries

@@ -175,12 +175,12 @@ def quantize_streaming(
         return output, None
     check_output_target(output, overwrite)
     unfuse_experts(model, adapter)  # the layers' per-expert names, which the checkpoint must hold
-    StreamedLayers(ckpt, adapter, torch_dtype).check_complete(adapter.get_layers(model))
+    layer_source = layer_source or StreamedLayers(ckpt, adapter, next(model.parameters()).dtype,
+                                                 read_ahead=device.type == "cuda")
+    layer_source.check_complete(adapter.get_layers(model))
     with _disk_errors(work.path):
         output.parent.mkdir(parents=True, exist_ok=True)
         start = work.open(resume)
-        layer_source = layer_source or StreamedLayers(ckpt, adapter, next(model.parameters()).dtype,
-                                                     read_ahead=device.type == "cuda")
 
         def on_layer_done(index: int, layer: nn.Module, outputs: list[torch.Tensor], entry: dict) -> None:
             pause_between_phases()
