@@ -190,15 +190,17 @@ def _quantize_step(
         quantizers[sharer].take_statistics(quantizers[owner])
     results = {}
     with timer("solve"):
-        for n, q in quantizers.items():
+        for owner in (n for n in quantizers if n not in shared):
+            names = [owner, *(sharer for sharer, its_owner in shared.items() if its_owner == owner)]
             try:
-                qw = q.quantize()
+                solved = quantizers[owner].quantize_with([quantizers[n] for n in names[1:]])
             except QuantizationError as err:
-                raise QuantizationError(f"layer {ctx.index} {n}: {err}") from err
-            q.free()
-            linears[n].weight.data.copy_(qw.dequantize(linears[n].weight.dtype))
-            results[n] = qw
-    return results
+                raise QuantizationError(f"layer {ctx.index} {'/'.join(names)}: {err}") from err
+            for n, qw in zip(names, solved, strict=True):
+                quantizers[n].free()
+                linears[n].weight.data.copy_(qw.dequantize(linears[n].weight.dtype))
+                results[n] = qw
+    return {n: results[n] for n in quantizers}
 
 
 def _same_input_sharers(adapter: ArchAdapter, quantizers: dict[str, LinearQuantizer]) -> dict[str, str]:

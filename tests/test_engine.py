@@ -164,18 +164,21 @@ def test_linears_reading_one_input_share_one_hessian(monkeypatch) -> None:
 
     fed: list[nn.Module] = []
     solved: dict[int, torch.Tensor] = {}
-    original_add, original_quantize = GPTQQuantizer.add_batch, GPTQQuantizer.quantize
+    solves: list[int] = []
+    original_add, original_quantize_with = GPTQQuantizer.add_batch, GPTQQuantizer.quantize_with
 
     def add_batch(self, x):
         fed.append(self.linear)
         original_add(self, x)
 
-    def quantize(self):
-        solved[id(self.linear)] = self.H
-        return original_quantize(self)
+    def quantize_with(self, sharers):
+        solves.append(1 + len(sharers))
+        for q in (self, *sharers):
+            solved[id(q.linear)] = q.H
+        return original_quantize_with(self, sharers)
 
     monkeypatch.setattr(GPTQQuantizer, "add_batch", add_batch)
-    monkeypatch.setattr(GPTQQuantizer, "quantize", quantize)
+    monkeypatch.setattr(GPTQQuantizer, "quantize_with", quantize_with)
     from quantkit.models.moe import unfuse_experts
 
     model = tiny_moe("qwen3_moe", num_hidden_layers=1)
@@ -189,3 +192,6 @@ def test_linears_reading_one_input_share_one_hessian(monkeypatch) -> None:
     by_name = {names[i]: h for i, h in solved.items() if i in names}
     assert by_name["self_attn.k_proj"] is by_name["self_attn.q_proj"] is by_name["self_attn.v_proj"]
     assert by_name["mlp.experts.0.up_proj"] is by_name["mlp.experts.0.gate_proj"]
+    # and one solve each: q/k/v together, o, then gate/up together and down per expert
+    experts = model.config.num_experts
+    assert sorted(solves) == sorted([3, 1] + [2, 1] * experts)

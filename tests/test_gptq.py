@@ -164,6 +164,39 @@ def test_gptq_fp32_close_to_float64_reference(options, device):
     assert result.info["loss"] == pytest.approx(loss, rel=1e-2)
 
 
+@pytest.mark.parametrize("options", CONFIGS)
+def test_one_solve_of_stacked_rows_is_each_weight_alone(options):
+    """Weights reading one input (q/k/v, an expert's gate/up) are solved as one stack of rows: each result must be
+    exactly the weight's own solve, loss included (rows are independent given H)."""
+    x = make_inputs(256, 300, seed=4, dead=(5, 70))
+    weights = [make_layer(256, rows, seed=rows).weight for rows in (48, 16, 32)]
+    config = QuantConfig.from_dict({"method": "gptq", **options})
+    together = gptq.gptq_quantize_rows(weights, hessian(x).float(), config)
+    for weight, joint in zip(weights, together, strict=True):
+        alone = gptq_quantize(weight, hessian(x).float(), config)
+        assert torch.equal(joint.codes, alone.codes) and torch.equal(joint.zeros, alone.zeros)
+        assert torch.equal(joint.scales, alone.scales)
+        assert joint.info["loss"] == pytest.approx(alone.info["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["awq-gptq", "qqq"])
+def test_sharing_quantizers_solve_together_as_alone(method):
+    """The methods with their own grids (Hessian-weighted ranges; QQQ's two-level scales) through quantize_with."""
+    x = make_inputs(128, 200, seed=7)
+    config = QuantConfig(method=method, group_size=32, bits=4, sym=method == "qqq")
+    linears = [make_layer(128, rows, seed=rows) for rows in (32, 64)]
+    owner, sharer = (get_method(config).linear_quantizer(linear) for linear in linears)
+    owner.add_batch(x)
+    sharer.take_statistics(owner)
+    together = owner.quantize_with([sharer])
+    for linear, joint in zip(linears, together, strict=True):
+        alone = quantize_gptq(linear, x, config, batches=1)
+        assert torch.equal(joint.codes, alone.codes) and torch.equal(joint.scales, alone.scales)
+        assert (joint.channel_scales is None) == (alone.channel_scales is None)
+        if alone.channel_scales is not None:
+            assert torch.equal(joint.channel_scales, alone.channel_scales)
+
+
 def test_loss_is_the_damped_layer_output_error():
     linear, x = make_layer(128, 32, seed=5), make_inputs(128, 256, seed=6)
     config = QuantConfig(method="gptq", group_size=32, options=GPTQOptions(act_order=True))

@@ -307,19 +307,28 @@ class LowTokenGuard(LinearQuantizer):
         self.inner.take_statistics(owner.inner)
 
     def quantize(self) -> QuantizedWeight:
-        threshold = self.linear.in_features
+        return self.quantize_with([])[0]
+
+    def quantize_with(self, sharers: list[LinearQuantizer]) -> list[QuantizedWeight]:
+        """Sharers took this guard's statistics, token count included: one policy (and one solve) for all."""
+        if not all(isinstance(s, LowTokenGuard) for s in sharers):
+            return super().quantize_with(sharers)
+        guards, threshold, fallback = [self, *sharers], self.linear.in_features, None
         if 0 < self.tokens < threshold:
             options = self.config.options_as(GPTQOptions)
             damp = min(0.5, options.damp_percent * LOW_TOKEN_DAMP_GROWTH)
-            log.warning("%s: %d calibration tokens < %d (input width); damp_percent %g", self.label, self.tokens,
-                        threshold, damp)
-            self.inner.config = replace(self.config, options=replace(options, damp_percent=damp))
-            result = self.inner.quantize()
-            result.info.setdefault("fallback", f"damp_percent {damp:g}: {self.tokens} tokens < {threshold}")
-        else:  # enough tokens, or none: GPTQ and QQQ then quantize by RTN on their grid and log it
-            result = self.inner.quantize()
-        result.info["tokens"] = self.tokens
-        return result
+            log.warning("%s: %d calibration tokens < %d (input width); damp_percent %g",
+                        " + ".join(g.label for g in guards), self.tokens, threshold, damp)
+            for guard in guards:
+                guard.inner.config = replace(self.config, options=replace(options, damp_percent=damp))
+            fallback = f"damp_percent {damp:g}: {self.tokens} tokens < {threshold}"
+        # enough tokens, or none: GPTQ and QQQ then quantize by RTN on their grid and log it
+        results = self.inner.quantize_with([s.inner for s in sharers])
+        for result in results:
+            if fallback is not None:
+                result.info.setdefault("fallback", fallback)
+            result.info["tokens"] = self.tokens
+        return results
 
     def free(self) -> None:
         self.inner.free()

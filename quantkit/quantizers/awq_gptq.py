@@ -103,10 +103,10 @@ def hessian_grid(hessian: torch.Tensor, config: QuantConfig) -> HessianWeightedG
 class AWQGPTQQuantizer(GPTQQuantizer):
     """GPTQ whose static group grids come from HessianWeightedGrid (range_steps > 1)."""
 
-    def quantize(self) -> QuantizedWeight:
+    def quantize_with(self, sharers: list[LinearQuantizer]) -> list[QuantizedWeight]:
         if self.H is not None:
             self.grid = hessian_grid(self.H, self.config)
-        return super().quantize()
+        return super().quantize_with(sharers)
 
 
 def input_hessian(ctx: LayerContext, name: str, config: QuantConfig) -> torch.Tensor | None:

@@ -42,6 +42,11 @@ class LinearQuantizer(ABC):
     @abstractmethod
     def quantize(self) -> QuantizedWeight: ...
 
+    def quantize_with(self, sharers: list[LinearQuantizer]) -> list[QuantizedWeight]:
+        """This linear's result and those of the linears that took its statistics, in that order; a method may
+        solve them together (GPTQ: one solve of the stacked rows)."""
+        return [q.quantize() for q in (self, *sharers)]
+
     def free(self) -> None:  # noqa: B027 - optional hook
         """Release statistics (called after quantize)."""
 

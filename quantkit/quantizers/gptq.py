@@ -29,6 +29,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -205,12 +206,12 @@ def _quantize_columns(
     dynamic_group: int | None,
     config: QuantConfig,
     code_range: tuple[int, int],
-) -> tuple[torch.Tensor, float]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's lazy-batch loop. W [rows, cols] (processing order) is overwritten.
 
     column_groups[j]: the group of the j-th processed column. dynamic_group: the group size when group
     parameters are computed on reaching a group's first column (written into scales/zeros), None when
-    they are all given. Returns uint8 codes in processing order and the loss.
+    they are all given. Returns uint8 codes in processing order and the loss of each row.
 
     Deviation from the references: they compute a dynamic group's parameters from the block-level W,
     which for a group starting inside a block misses the in-block updates of the columns before it.
@@ -225,7 +226,7 @@ def _quantize_columns(
         n: _BlockLoop(W, n, dynamic_group, config, code_range) for n in {min(block, cols), cols % block} if n
     }
     codes = torch.empty(rows, cols, dtype=torch.uint8, device=W.device)
-    loss = W.new_zeros(())
+    row_loss = W.new_zeros(rows)
     for start in range(0, cols, block):
         end = min(start + block, cols)
         groups = column_groups[start:end]
@@ -236,9 +237,9 @@ def _quantize_columns(
             scales[:, groups[::dynamic_group]] = b.scales[:, ::dynamic_group]
             zeros[:, groups[::dynamic_group]] = b.zeros[:, ::dynamic_group]
         codes[:, start:end] = b.codes
-        loss += b.errors.square().sum() / 2
+        row_loss += b.errors.square().sum(1) / 2
         W[:, end:].addmm_(b.errors, U[start:end, end:], alpha=-1)
-    return codes, loss.item()
+    return codes, row_loss
 
 
 def _rtn_fallback(
@@ -272,9 +273,24 @@ def gptq_quantize(
     The math runs in fp32 (fp64 for a float64 weight, which the reference tests use to compare exactly).
     `grid` replaces the min-max grid of config.bits/sym/mse; its parameters are static, as with act-order.
     """
+    return gptq_quantize_rows([weight], hessian, config, grid)[0]
+
+
+def gptq_quantize_rows(
+    weights: list[torch.Tensor], hessian: torch.Tensor, config: QuantConfig, grid: WeightGrid | None = None
+) -> list[QuantizedWeight]:
+    """GPTQ of weights [out_i, in] that read one input (H [in, in]) as one solve of their stacked rows.
+
+    Rows are independent given H (a column's error is spread along its own row), so each result is what
+    gptq_quantize gives that weight alone, from one factorisation and one column loop instead of one each: on a
+    GPU the loop's kernel launches, not its arithmetic, are what a small weight (an MoE expert's) costs.
+    """
     options = config.options_as(GPTQOptions)
-    dtype = torch.promote_types(weight.dtype, torch.float32)
-    W = weight.detach().to(dtype, copy=True)
+    dtype = torch.promote_types(weights[0].dtype, torch.float32)
+    sizes = [w.shape[0] for w in weights]
+    W = weights[0].new_empty(sum(sizes), weights[0].shape[1], dtype=dtype)
+    for part, weight in zip(W.split(sizes), weights, strict=True):
+        part.copy_(weight.detach())
     rows, cols = W.shape
     group = check_group_size(cols, config.group_size)
     diagonal = hessian.diagonal().to(W.device, dtype)
@@ -290,6 +306,7 @@ def gptq_quantize(
                                      config.scale_torch_dtype)
     else:
         scales, zeros = W.new_empty(rows, cols // group), W.new_empty(rows, cols // group)
+    channel_scales = getattr(grid, "channel_scales", None)  # a two-level grid's (QQQ), set by its qparams
     order = torch.arange(cols, device=W.device)
     if options.act_order:
         order = torch.argsort(diagonal.masked_fill(dead, 1), descending=True, stable=True)
@@ -304,31 +321,37 @@ def gptq_quantize(
         H.diagonal()[dead[order]] = 1  # order is the identity without act-order
         return H
 
-    U, damp_percent = inverse_hessian_factor(working_hessian, options.damp_percent, layer_label(weight))
+    U, damp_percent = inverse_hessian_factor(working_hessian, options.damp_percent, layer_label(weights[0]))
     if U is None:
-        return _rtn_fallback(
-            weight, hessian, config, "Cholesky failed at every damping", grid, damp_percent=damp_percent
-        )
+        return [_rtn_fallback(w, hessian, config, "Cholesky failed at every damping", grid, damp_percent=damp_percent)
+                for w in weights]
     column_groups = order // group
     code_range = (0, 2**config.bits - 1) if grid is None else (grid.lowest, grid.highest)
-    codes, loss = _quantize_columns(
+    codes, row_loss = _quantize_columns(
         W, U, scales, zeros, column_groups, None if static else group, config, code_range
     )
-    if not math.isfinite(loss):
-        return _rtn_fallback(
-            weight, hessian, config, "GPTQ produced a non-finite loss", grid, damp_percent=damp_percent
-        )
     if options.act_order:
         codes = codes[:, torch.argsort(order)]
-    return QuantizedWeight(
-        codes=codes,
-        scales=scales.to(torch.float32),  # fp16-rounded by compute_qparams: exact in fp32
-        zeros=zeros.to(torch.uint8),
-        bits=config.bits,
-        group_size=config.group_size,
-        sym=config.sym,
-        info={"loss": loss, "damp_percent": damp_percent},
-    )
+    results = []
+    bounds = list(accumulate(sizes, initial=0))
+    for weight, first, end, loss in zip(weights, bounds, bounds[1:], row_loss.split(sizes), strict=False):
+        loss = loss.sum().item()
+        if not math.isfinite(loss):
+            results.append(_rtn_fallback(weight, hessian, config, "GPTQ produced a non-finite loss", grid,
+                                         damp_percent=damp_percent))
+            continue
+        rows_of = slice(first, end)
+        results.append(QuantizedWeight(
+            codes=codes[rows_of],
+            scales=scales[rows_of].to(torch.float32),  # fp16-rounded by compute_qparams: exact in fp32
+            zeros=zeros[rows_of].to(torch.uint8),
+            bits=config.bits,
+            group_size=config.group_size,
+            sym=config.sym,
+            channel_scales=None if channel_scales is None else channel_scales[rows_of].to(torch.float32),
+            info={"loss": loss, "damp_percent": damp_percent},
+        ))
+    return results
 
 
 @contextmanager
@@ -365,20 +388,27 @@ class GPTQQuantizer(LinearQuantizer):
         self.nsamples = total
 
     def quantize(self) -> QuantizedWeight:
-        weight = self.linear.weight
-        check_finite_weights(weight)
+        return self.quantize_with([])[0]
+
+    def quantize_with(self, sharers: list[LinearQuantizer]) -> list[QuantizedWeight]:
+        """One solve for this linear and those that took its Hessian (gptq_quantize_rows)."""
+        if not all(type(s) is type(self) and s.config == self.config and s.H is self.H for s in sharers):
+            return super().quantize_with(sharers)
+        weights = [q.linear.weight for q in (self, *sharers)]
+        for weight in weights:
+            check_finite_weights(weight)
         if self.H is None:
-            return _rtn_fallback(
-                weight, None, self.config, "no calibration tokens reached this layer", self.grid, nsamples=0
-            )
+            return [_rtn_fallback(w, None, self.config, "no calibration tokens reached this layer", self.grid,
+                                  nsamples=0) for w in weights]
         if not torch.isfinite(self.H).all():
             raise QuantizationError(
-                f"the calibration inputs of {layer_label(weight)} contain NaN/Inf; "
+                f"the calibration inputs of {layer_label(weights[0])} contain NaN/Inf; "
                 "the model overflows in its dtype on the calibration data (try a float32 or bfloat16 load)"
             )
-        result = gptq_quantize(weight, self.H, self.config, self.grid)
-        result.info["nsamples"] = self.nsamples
-        return result
+        results = gptq_quantize_rows(weights, self.H, self.config, self.grid)
+        for result in results:
+            result.info["nsamples"] = self.nsamples
+        return results
 
     def free(self) -> None:
         self.H = None

@@ -59,11 +59,11 @@ import torch
 from torch import nn
 
 from quantkit.config import QuantConfig, option
-from quantkit.qtensor import QuantizationError, QuantizedWeight
+from quantkit.qtensor import QuantizationError
 from quantkit.quantizers.base import LinearQuantizer, Method, register
 from quantkit.quantizers.context import LayerContext
 from quantkit.quantizers.gptq import GPTQOptions, GPTQQuantizer
-from quantkit.quantizers.qqq_grids import TwoLevelGrid, make_grid
+from quantkit.quantizers.qqq_grids import make_grid
 from quantkit.quantizers.qqq_probe import matmul_probe, module_probe
 from quantkit.quantizers.qqq_search import confirm_after_gptq, search_smoothing
 from quantkit.smoothing import active_scaling_groups, fold_scales
@@ -101,12 +101,6 @@ class QQQQuantizer(GPTQQuantizer):
     def __init__(self, linear: nn.Linear, config: QuantConfig) -> None:
         super().__init__(linear, config)
         self.grid = make_grid(config.group_size, config.scale_torch_dtype)
-
-    def quantize(self) -> QuantizedWeight:
-        result = super().quantize()
-        if isinstance(self.grid, TwoLevelGrid):
-            result.channel_scales = self.grid.channel_scales.to(torch.float32)
-        return result
 
 
 @register
