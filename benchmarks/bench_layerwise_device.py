@@ -3,9 +3,10 @@
 Writes N random bf16 decoder layers of the 70B shape (bench_streaming_device.py's writer), quantizes them
 streamed with RTN g128 into a compressed-tensors export, drops the page cache, then times
 `quantkit.eval.layerwise.layerwise_scores([original, export], windows)` on 32 x 2048 random tokens (what
-`quantkit eval ORIGINAL EXPORT` runs when the 70B does not fit). Reports the wall time, its extrapolation to 80
-layers (all of it scaled by 80 / N: an overestimate, the embeddings' and head's work does not grow with depth),
-peak host RSS and peak GPU memory. Targets (issue #40): 80 layers in at most 10 minutes, at most 32 GiB of host.
+`quantkit eval ORIGINAL EXPORT` runs when the 70B does not fit). Reports the wall time, each decoder layer's
+time (read, moved to the GPU, every window through it), the extrapolation to 80 layers as STREAMING.md does it
+(the run as measured plus the missing layers at the mean time of each model's layers after its first), peak host
+RSS and peak GPU memory. Targets (issue #40): 80 layers in at most 10 minutes, at most 32 GiB of host.
 
     python benchmarks/bench_layerwise_device.py --layers 4 --out $OUT
 """
@@ -18,6 +19,7 @@ import resource
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,10 +29,36 @@ from bench_streaming_device import GIB, drop_page_cache, model_config, write_che
 
 from quantkit.config import QuantConfig  # noqa: E402
 from quantkit.data import CalibrationSet  # noqa: E402
-from quantkit.eval.layerwise import layerwise_scores  # noqa: E402
+from quantkit.eval import layerwise  # noqa: E402
 from quantkit.streaming import open_streamed_model, quantize_streaming  # noqa: E402
 
 FULL_DEPTH = 80
+
+
+def time_layers(device: torch.device) -> list[list[float]]:
+    """Per model, the seconds each decoder layer took (filled as the evaluation runs)."""
+    seconds: list[list[float]] = []
+    timed = layerwise._Model.layer
+
+    @contextmanager
+    def layer(self, index, module):
+        if index == 0:
+            seconds.append([])
+        start = time.perf_counter()
+        with timed(self, index, module) as on_device:
+            yield on_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds[-1].append(time.perf_counter() - start)
+
+    layerwise._Model.layer = layer
+    return seconds
+
+
+def extrapolate(seconds: float, layer_seconds: list[list[float]], layers: int) -> float:
+    """The measured run plus the layers it lacks, each at its model's mean time per layer after the first."""
+    steady = sum(sum(model[1:]) / (len(model) - 1) for model in layer_seconds)
+    return seconds + (FULL_DEPTH - layers) * steady
 
 
 def main() -> None:
@@ -59,14 +87,16 @@ def main() -> None:
                             generator=torch.Generator().manual_seed(0))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    layer_seconds = time_layers(device)
     start = time.perf_counter()
-    scores = layerwise_scores([source, export], {"random": windows}, batch_size=args.batch_size, device=str(device),
+    scores = layerwise.layerwise_scores([source, export], {"random": windows}, batch_size=args.batch_size, device=str(device),
                               dtype=dtype)["random"]
     seconds = time.perf_counter() - start
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "shape": args.shape,
         "layers": args.layers, "windows": args.windows, "seqlen": args.seqlen, "batch_size": args.batch_size,
-        "seconds": seconds, "extrapolated_80_layer_seconds": seconds * FULL_DEPTH / args.layers,
+        "seconds": seconds, "layer_seconds": layer_seconds,
+        "extrapolated_80_layer_seconds": extrapolate(seconds, layer_seconds, args.layers),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0,
         "page_cache_dropped": cold, "scores": scores, "torch": torch.__version__,
