@@ -160,10 +160,14 @@ def test_one_layer_materialized_and_at_most_one_read_ahead(tmp_path, single_thre
     assert all(next(layer.buffers()).is_meta for layer in layers)  # each released after its step
 
 
-def _moe_checkpoint(folder: Path, kind: str) -> Path:
+def _moe_checkpoint(folder: Path, kind: str, tokenizer=None) -> Path:
     from test_moe import tiny_moe
 
-    tiny_moe(kind, num_hidden_layers=3).save_pretrained(folder, max_shard_size="40KB")  # per-expert tensors on disk
+    vocab = {} if tokenizer is None else {"vocab_size": len(tokenizer)}
+    model = tiny_moe(kind, num_hidden_layers=3, **vocab)
+    model.save_pretrained(folder, max_shard_size="40KB")  # per-expert tensors on disk
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
     return folder
 
 
@@ -332,12 +336,15 @@ def test_full_or_read_only_disk_is_one_line_and_keeps_the_work(sharded, tmp_path
     assert out.is_dir() and not work_dir_for(out).exists()
 
 
-@pytest.fixture(scope="module")
-def with_tokenizer(tmp_path_factory, smollm2_gguf) -> Path:
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def with_tokenizer(request, tmp_path_factory, smollm2_gguf) -> tuple[Path, int]:
+    """A dense and an MoE checkpoint a real `quantkit quantize` reads (SmolLM2's tokenizer), and its depth."""
     from quantkit.models.loading import load_tokenizer
 
-    tokenizer = load_tokenizer(str(smollm2_gguf))
-    return _checkpoint(tmp_path_factory.mktemp("tok") / "llama", layers=4, vocab=len(tokenizer), tokenizer=tokenizer)
+    tokenizer, folder = load_tokenizer(str(smollm2_gguf)), tmp_path_factory.mktemp("tok") / request.param
+    if request.param == "llama":
+        return _checkpoint(folder, layers=4, vocab=len(tokenizer), tokenizer=tokenizer), 4
+    return _moe_checkpoint(folder, request.param, tokenizer), 3
 
 
 def _command(source: Path, output: Path) -> list[str]:
@@ -380,21 +387,22 @@ def test_sigkill_at_seeded_moments_then_resume_gives_the_same_bytes(with_tokeniz
     of its write steps (mid-layer before its files, between its layer file, hidden states and manifest;
     the last kill in the assembly or before the publishing rename); rerun the same command each time.
     The export that finally appears has the uninterrupted run's bytes; no folder is ever at the output
-    path before that."""
+    path before that. Dense and MoE (experts streamed from per-expert tensors)."""
+    source, layers = with_tokenizer
     whole = tmp_path / "whole"
-    subprocess.run(_command(with_tokenizer, whole), env=_env(0), check=True, capture_output=True, timeout=120)
+    subprocess.run(_command(source, whole), env=_env(0), check=True, capture_output=True, timeout=120)
     expected = _digest(whole)
     out, rng, logs = tmp_path / "out", random.Random(29), []
     for kill in range(KILLS):
-        left = _pauses_left(out, layers=4)
+        left = _pauses_left(out, layers)
         # up to two layers on per kill, the last kill inside the assembly
         pause = left - rng.randint(0, 1) if kill == KILLS - 1 else rng.randint(1, min(left, 2 * PAUSES_PER_LAYER))
-        proc = subprocess.Popen(_command(with_tokenizer, out), env=_env(PAUSE), stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(_command(source, out), env=_env(PAUSE), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
         logs.append(_kill_at_pause(proc, pause, rng.uniform(0, PAUSE)))
         assert proc.returncode == -signal.SIGKILL, logs[-1]
         assert not out.exists(), "a folder at the output path before the run finished"
-    final = subprocess.run(_command(with_tokenizer, out), env=_env(0), capture_output=True, text=True, timeout=120)
+    final = subprocess.run(_command(source, out), env=_env(0), capture_output=True, text=True, timeout=120)
     assert final.returncode == 0, final.stderr
     assert _digest(out) == expected
     assert not work_dir_for(out).exists()
