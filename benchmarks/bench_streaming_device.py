@@ -115,15 +115,33 @@ def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def summarize(layer_seconds: list[float], capture_seconds: float, total_seconds: float, layers: int,
-              depth: int) -> dict:
-    """The layer step's own time (load, statistics, solve, next inputs) and the wall time per layer (the step
-    plus what the step does not overlap: work files, export); the full-depth time scales everything but the
-    calibration capture with depth (the embeddings' and head's export too: an overestimate)."""
-    wall_per_layer = (total_seconds - capture_seconds) / layers
+def layer_bytes(export: Path) -> tuple[int, int]:
+    """The export's tensor bytes inside decoder layers and outside them (embeddings, norm, head), from the
+    safetensors headers."""
+    inside = outside = 0
+    for shard in export.glob("*.safetensors"):
+        with shard.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                size = entry["data_offsets"][1] - entry["data_offsets"][0]
+                inside, outside = (inside + size, outside) if ".layers." in name else (inside, outside + size)
+    return inside, outside
+
+
+def summarize(layer_seconds: list[float], phases: dict[str, float], total_seconds: float, layers: int,
+              depth: int, export_split: tuple[int, int]) -> dict:
+    """The layer step's own time (load, statistics, solve, next inputs), the wall time per layer (the step plus
+    what it does not overlap: packing, work files), and the full-depth time: the capture once, the wall time per
+    layer times the depth, and the final assembly of the export grown by the bytes the missing layers add."""
+    capture, assembly = phases.get("capture", 0.0), phases.get("export assembly", 0.0)
+    wall_per_layer = (total_seconds - capture - assembly) / layers
+    inside, outside = export_split
+    full_assembly = assembly * (outside + inside * depth / layers) / max(outside + inside, 1)
     return {"seconds_per_layer": statistics.mean(layer_seconds[1:]) if len(layer_seconds) > 1 else layer_seconds[0],
             "first_layer_seconds": layer_seconds[0], "wall_seconds_per_layer": wall_per_layer,
-            "full_depth": depth, "extrapolated_full_depth_seconds": capture_seconds + wall_per_layer * depth}
+            "assembly_seconds": assembly, "full_depth": depth,
+            "extrapolated_full_depth_seconds": capture + wall_per_layer * depth + full_assembly}
 
 
 def markdown(result: dict) -> str:
@@ -133,7 +151,8 @@ def markdown(result: dict) -> str:
             ("checkpoint written in", f"{result['write_seconds']:.0f} s"),
             ("page cache dropped before reading", str(result["page_cache_dropped"])),
             ("layer step, seconds (excl. first)", f"{result['seconds_per_layer']:.1f}"),
-            ("wall seconds per layer (step + work files + export)", f"{result['wall_seconds_per_layer']:.1f}"),
+            ("wall seconds per layer (step + packing + work files)", f"{result['wall_seconds_per_layer']:.1f}"),
+            ("final export assembly", f"{result['assembly_seconds']:.0f} s"),
             ("first layer", f"{result['first_layer_seconds']:.1f} s"),
             ("streamed quantization + export", f"{result['total_seconds']:.0f} s"),
             (f"extrapolated {result['full_depth']} layers",
@@ -190,8 +209,8 @@ def main() -> None:
         "export_bytes": folder_bytes(output), "disk_free_bytes": shutil.disk_usage(args.work_dir).free,
         "torch": torch.__version__, "act_order": True, "page_cache_dropped": cold,
         "targets": (90, 32, 60) if experts else (20, 32, 40),
-        **summarize([e["seconds"] for e in report.layers], report.timings.get("capture", 0.0), total, args.layers,
-                    depth),
+        **summarize([e["seconds"] for e in report.layers], report.timings, total, args.layers, depth,
+                    layer_bytes(output)),
     }
     if not args.keep:
         shutil.rmtree(args.work_dir, ignore_errors=True)

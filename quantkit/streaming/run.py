@@ -7,6 +7,7 @@ import errno
 import logging
 import math
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -198,7 +199,9 @@ def quantize_streaming(
             raise
         work.flush()
         report.layers = work.entries()
+        assembly = time.perf_counter()
         _write_export(model, adapter, ckpt, tokenizer, config, fmt_name, torch_dtype, report, work, output)
+        report.timings["export assembly"] = time.perf_counter() - assembly
     return output, report
 
 
