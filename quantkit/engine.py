@@ -188,15 +188,18 @@ def _quantize_step(
                 h.remove()
     for sharer, owner in shared.items():
         quantizers[sharer].take_statistics(quantizers[owner])
+    by_class: dict[type[LinearQuantizer], list[list[str]]] = {}  # groups of names: an owner, then its sharers
+    for owner in (n for n in quantizers if n not in shared):
+        group = [owner, *(sharer for sharer, its_owner in shared.items() if its_owner == owner)]
+        by_class.setdefault(type(quantizers[owner]), []).append(group)
     results = {}
     with timer("solve"):
-        for owner in (n for n in quantizers if n not in shared):
-            names = [owner, *(sharer for sharer, its_owner in shared.items() if its_owner == owner)]
+        for cls, groups in by_class.items():
             try:
-                solved = quantizers[owner].quantize_with([quantizers[n] for n in names[1:]])
+                solved = cls.quantize_groups([[quantizers[n] for n in group] for group in groups])
             except QuantizationError as err:
-                raise QuantizationError(f"layer {ctx.index} {'/'.join(names)}: {err}") from err
-            for n, qw in zip(names, solved, strict=True):
+                raise QuantizationError(f"layer {ctx.index}: {err}") from err
+            for n, qw in zip((n for group in groups for n in group), (r for rs in solved for r in rs), strict=True):
                 quantizers[n].free()
                 linears[n].weight.data.copy_(qw.dequantize(linears[n].weight.dtype))
                 results[n] = qw

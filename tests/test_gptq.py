@@ -171,12 +171,33 @@ def test_one_solve_of_stacked_rows_is_each_weight_alone(options):
     x = make_inputs(256, 300, seed=4, dead=(5, 70))
     weights = [make_layer(256, rows, seed=rows).weight for rows in (48, 16, 32)]
     config = QuantConfig.from_dict({"method": "gptq", **options})
-    together = gptq.gptq_quantize_rows(weights, hessian(x).float(), config)
+    together = gptq.gptq_solve([gptq.SharedInput(weights, hessian(x).float())], config)[0]
     for weight, joint in zip(weights, together, strict=True):
         alone = gptq_quantize(weight, hessian(x).float(), config)
         assert torch.equal(joint.codes, alone.codes) and torch.equal(joint.zeros, alone.zeros)
         assert torch.equal(joint.scales, alone.scales)
         assert joint.info["loss"] == pytest.approx(alone.info["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("options", CONFIGS)
+def test_problems_solved_side_by_side_are_each_solved_alone(options):
+    """An MoE layer's experts: one shape, each its own Hessian (other dead inputs, another act-order), solved in one
+    batch; one whose Hessian no damping repairs falls back to RTN alone, the others are untouched by it."""
+    config = QuantConfig.from_dict({"method": "gptq", **options})
+    problems = []
+    for e, dead in enumerate([(5, 70), (), (0, 1, 2), ()]):
+        x = make_inputs(256, 300, seed=40 + e, dead=dead)
+        weights = [make_layer(256, rows, seed=10 * e + rows).weight for rows in (32, 16)]
+        problems.append(gptq.SharedInput(weights, hessian(x).float() if e != 3 else -torch.eye(256)))
+    together = gptq.gptq_solve(problems, config)
+    for problem, solved in zip(problems, together, strict=True):
+        for weight, joint in zip(problem.weights, solved, strict=True):
+            alone = gptq_quantize(weight, problem.hessian, config)
+            assert torch.equal(joint.codes, alone.codes) and torch.equal(joint.scales, alone.scales)
+            assert torch.equal(joint.zeros, alone.zeros)
+            assert joint.info.get("fallback") == alone.info.get("fallback")
+            assert joint.info["damp_percent"] == alone.info["damp_percent"]
+    assert [r.info.get("fallback") for r in together[3]] == ["rtn", "rtn"]
 
 
 @pytest.mark.parametrize("method", ["awq-gptq", "qqq"])
@@ -188,7 +209,7 @@ def test_sharing_quantizers_solve_together_as_alone(method):
     owner, sharer = (get_method(config).linear_quantizer(linear) for linear in linears)
     owner.add_batch(x)
     sharer.take_statistics(owner)
-    together = owner.quantize_with([sharer])
+    together = type(owner).quantize_groups([[owner, sharer]])[0]
     for linear, joint in zip(linears, together, strict=True):
         alone = quantize_gptq(linear, x, config, batches=1)
         assert torch.equal(joint.codes, alone.codes) and torch.equal(joint.scales, alone.scales)
@@ -221,10 +242,10 @@ def test_inverse_factor_in_place_is_the_out_of_place_factor():
     """The in-place Cholesky, inverse and upper Cholesky give LAPACK's out-of-place results bit for bit."""
     x = torch.randn(400, 96, generator=torch.Generator().manual_seed(0))
     hessian = x.T @ x / 400
-    upper, damp = gptq.inverse_hessian_factor(hessian.clone, 0.01, "test")
+    upper, damps, factored = gptq.inverse_hessian_factors(lambda members: hessian[None].clone(), 1, 0.01, ["test"])
     damped = hessian + 0.01 * hessian.diagonal().mean() * torch.eye(96)
     reference = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True)
-    assert damp == 0.01 and torch.equal(upper, reference)
+    assert damps == [0.01] and factored == [True] and torch.equal(upper[0], reference)
 
 
 def test_hessian_is_running_mean_of_2xxT():
@@ -294,11 +315,12 @@ def test_cholesky_failure_everywhere_falls_back_to_rtn(caplog):
 
 
 def test_non_finite_result_falls_back_to_rtn(caplog, monkeypatch):
-    def overflowing_factor(working_hessian, damp_percent, label):  # (w - q) / 1e-30 squares to inf in fp32
-        hessian = working_hessian()
-        return torch.eye(hessian.shape[0], dtype=hessian.dtype) * 1e-30, damp_percent
+    def overflowing_factor(working_hessians, count, damp_percent, labels):  # (w - q) / 1e-30 squares to inf
+        hessians = working_hessians(list(range(count)))
+        return torch.eye(hessians.shape[-1], dtype=hessians.dtype).expand_as(hessians) * 1e-30, \
+            [damp_percent] * count, [True] * count
 
-    monkeypatch.setattr(gptq, "inverse_hessian_factor", overflowing_factor)
+    monkeypatch.setattr(gptq, "inverse_hessian_factors", overflowing_factor)
     linear, x = make_layer(64, 16, seed=19), make_inputs(64, 32, seed=20)
     with caplog.at_level(logging.WARNING, logger="quantkit"):
         result = quantize_gptq(linear, x, QuantConfig(method="gptq", group_size=32))

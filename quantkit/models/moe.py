@@ -307,28 +307,36 @@ class LowTokenGuard(LinearQuantizer):
         self.inner.take_statistics(owner.inner)
 
     def quantize(self) -> QuantizedWeight:
-        return self.quantize_with([])[0]
+        return self.quantize_groups([[self]])[0][0]
 
-    def quantize_with(self, sharers: list[LinearQuantizer]) -> list[QuantizedWeight]:
-        """Sharers took this guard's statistics, token count included: one policy (and one solve) for all."""
-        if not all(isinstance(s, LowTokenGuard) for s in sharers):
-            return super().quantize_with(sharers)
-        guards, threshold, fallback = [self, *sharers], self.linear.in_features, None
-        if 0 < self.tokens < threshold:
-            options = self.config.options_as(GPTQOptions)
-            damp = min(0.5, options.damp_percent * LOW_TOKEN_DAMP_GROWTH)
-            log.warning("%s: %d calibration tokens < %d (input width); damp_percent %g",
-                        " + ".join(g.label for g in guards), self.tokens, threshold, damp)
-            for guard in guards:
-                guard.inner.config = replace(self.config, options=replace(options, damp_percent=damp))
-            fallback = f"damp_percent {damp:g}: {self.tokens} tokens < {threshold}"
-        # enough tokens, or none: GPTQ and QQQ then quantize by RTN on their grid and log it
-        results = self.inner.quantize_with([s.inner for s in sharers])
-        for result in results:
-            if fallback is not None:
-                result.info.setdefault("fallback", fallback)
-            result.info["tokens"] = self.tokens
-        return results
+    @classmethod
+    def quantize_groups(cls, groups: list[list[LinearQuantizer]]) -> list[list[QuantizedWeight]]:
+        """A group's sharers took its owner's statistics, token count included: one policy per group, then the
+        inner quantizers' groups are solved together as their method does (GPTQ: experts side by side)."""
+        guards = [[g for g in group if isinstance(g, LowTokenGuard)] for group in groups]
+        assert all(len(g) == len(group) for g, group in zip(guards, groups, strict=True))
+        notes = [group[0].low_token_policy(group) for group in guards]
+        solved = type(guards[0][0].inner).quantize_groups([[g.inner for g in group] for group in guards])
+        for group, results, note in zip(guards, solved, notes, strict=True):
+            for result in results:
+                if note is not None:
+                    result.info.setdefault("fallback", note)
+                result.info["tokens"] = group[0].tokens
+        return solved
+
+    def low_token_policy(self, group: list[LowTokenGuard]) -> str | None:
+        """Raise the group's damping when it saw fewer tokens than its input width (the note for the report);
+        with enough tokens, or none (GPTQ and QQQ then quantize by RTN on their grid and log it), nothing."""
+        threshold = self.linear.in_features
+        if not 0 < self.tokens < threshold:
+            return None
+        options = self.config.options_as(GPTQOptions)
+        damp = min(0.5, options.damp_percent * LOW_TOKEN_DAMP_GROWTH)
+        log.warning("%s: %d calibration tokens < %d (input width); damp_percent %g",
+                    " + ".join(g.label for g in group), self.tokens, threshold, damp)
+        for guard in group:
+            guard.inner.config = replace(self.config, options=replace(options, damp_percent=damp))
+        return f"damp_percent {damp:g}: {self.tokens} tokens < {threshold}"
 
     def free(self) -> None:
         self.inner.free()

@@ -38,7 +38,7 @@ from torch import nn
 
 from quantkit.config import QuantConfig, option, redefault
 from quantkit.models.adapters import ScalingGroup
-from quantkit.qtensor import QuantizationError, QuantizedWeight
+from quantkit.qtensor import QuantizationError
 from quantkit.quantizers.awq import AWQ, AWQOptions, ScaleSearch, TrialWeight
 from quantkit.quantizers.base import LinearQuantizer, register
 from quantkit.quantizers.context import LayerContext
@@ -103,10 +103,8 @@ def hessian_grid(hessian: torch.Tensor, config: QuantConfig) -> HessianWeightedG
 class AWQGPTQQuantizer(GPTQQuantizer):
     """GPTQ whose static group grids come from HessianWeightedGrid (range_steps > 1)."""
 
-    def quantize_with(self, sharers: list[LinearQuantizer]) -> list[QuantizedWeight]:
-        if self.H is not None:
-            self.grid = hessian_grid(self.H, self.config)
-        return super().quantize_with(sharers)
+    def prepare(self) -> None:
+        self.grid = hessian_grid(self.H, self.config)
 
 
 def input_hessian(ctx: LayerContext, name: str, config: QuantConfig) -> torch.Tensor | None:

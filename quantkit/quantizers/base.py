@@ -42,10 +42,12 @@ class LinearQuantizer(ABC):
     @abstractmethod
     def quantize(self) -> QuantizedWeight: ...
 
-    def quantize_with(self, sharers: list[LinearQuantizer]) -> list[QuantizedWeight]:
-        """This linear's result and those of the linears that took its statistics, in that order; a method may
-        solve them together (GPTQ: one solve of the stacked rows)."""
-        return [q.quantize() for q in (self, *sharers)]
+    @classmethod
+    def quantize_groups(cls, groups: list[list[LinearQuantizer]]) -> list[list[QuantizedWeight]]:
+        """The results of groups of this class's quantizers, each group a linear then those that took its
+        statistics. A method may solve them together (GPTQ: a group as one stack of rows, groups of one shape side
+        by side); by default each is quantized alone."""
+        return [[q.quantize() for q in group] for group in groups]
 
     def free(self) -> None:  # noqa: B027 - optional hook
         """Release statistics (called after quantize)."""

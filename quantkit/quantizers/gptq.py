@@ -87,67 +87,83 @@ def permute_symmetric(matrix: torch.Tensor, order: torch.Tensor) -> torch.Tensor
     return permuted
 
 
-def _cholesky_in_place(matrix: torch.Tensor, upper: bool = False) -> bool:
-    """Factor `matrix` into its own storage (LAPACK's potrf works in place; no second [in, in] buffer).
-    False when it is not positive definite (the matrix then holds a partial factor)."""
-    info = torch.empty((), dtype=torch.int32, device=matrix.device)
-    torch.linalg.cholesky_ex(matrix, upper=upper, out=(matrix, info))
-    return info.item() == 0
+def _cholesky_in_place(matrices: torch.Tensor, upper: bool = False) -> torch.Tensor:
+    """Factor each [n, n] matrix of `matrices` [E, n, n] into its own storage (LAPACK's potrf works in place: no
+    second buffer). Returns which succeeded [E] (a matrix that is not positive definite holds a partial factor)."""
+    info = torch.empty(matrices.shape[0], dtype=torch.int32, device=matrices.device)
+    torch.linalg.cholesky_ex(matrices, upper=upper, out=(matrices, info))
+    return info == 0
 
 
-def inverse_hessian_factor(
-    working_hessian: Callable[[], torch.Tensor], damp_percent: float, label: str
-) -> tuple[torch.Tensor | None, float]:
-    """Upper Cholesky factor U of (H + damp * mean(diag H) * I)^-1 (so U^T U is that inverse).
+def inverse_hessian_factors(
+    working_hessians: Callable[[list[int]], torch.Tensor], count: int, damp_percent: float, labels: list[str]
+) -> tuple[torch.Tensor, list[float], list[bool]]:
+    """Upper Cholesky factors U of (H_e + damp * mean(diag H_e) * I)^-1 (so U^T U is that inverse), e < count.
 
-    `working_hessian()` gives a fresh copy of H for each try, which is damped, factored, inverted and factored
-    again in place: one [in, in] buffer beside the caller's H, the peak of a streamed run on a CPU. Retries with
-    x10 damping while either factorisation fails; returns (None, last damping tried) when none succeeds.
+    `working_hessians(members)` gives fresh copies [len(members), n, n] of those H_e for each try, which are damped,
+    factored, inverted and factored again in place. Those whose factorisation fails are retried with x10 damping;
+    returns U [count, n, n] (the identity where every try failed), the damping each ended with, and whether it was
+    factored at all.
     """
+    damps, factored = [damp_percent] * count, [False] * count
+    members, U = list(range(count)), None
     for attempt in range(MAX_DAMP_ATTEMPTS):
         damp = damp_percent * DAMP_GROWTH**attempt
-        work = working_hessian()
-        work.diagonal().add_(damp * work.diagonal().mean())
-        if _cholesky_in_place(work) and _cholesky_in_place(torch.cholesky_inverse(work, out=work), upper=True):
-            return work, damp
+        work = working_hessians(members)
+        diagonals = work.diagonal(dim1=-2, dim2=-1)
+        diagonals.add_(damp * diagonals.mean(-1, keepdim=True))
+        ok = _cholesky_in_place(work)
+        ok &= _cholesky_in_place(torch.cholesky_inverse(work, out=work), upper=True)
+        ok = ok.tolist()
+        if U is None:
+            U = work  # the first try's buffer: no copy when every factor succeeds, as is usual
+        else:
+            for k, e in enumerate(members):
+                if ok[k]:
+                    U[e] = work[k]
+        for k, e in enumerate(members):
+            damps[e], factored[e] = damp, ok[k]
+            if not ok[k]:
+                U[e] = torch.eye(U.shape[-1], dtype=U.dtype, device=U.device)
+                retry = attempt + 1 < MAX_DAMP_ATTEMPTS
+                log.warning("GPTQ: the Hessian of %s is not positive definite with damp_percent=%g%s", labels[e],
+                            damp, f"; retrying with damp_percent={damp * DAMP_GROWTH:g}" if retry else "")
+        members = [e for k, e in enumerate(members) if not ok[k]]
         del work
-        retry = attempt + 1 < MAX_DAMP_ATTEMPTS
-        log.warning(
-            "GPTQ: the Hessian of %s is not positive definite with damp_percent=%g%s",
-            label,
-            damp,
-            f"; retrying with damp_percent={damp * DAMP_GROWTH:g}" if retry else "",
-        )
-    return None, damp
+        if not members:
+            break
+    assert U is not None
+    return U, damps, factored
 
 
 @dataclass
 class _Block:
-    """The tensors one block of n columns reads and writes; a CUDA-graph replay reuses exactly these."""
+    """The tensors one block of n columns reads and writes, for E problems side by side; a CUDA-graph replay
+    reuses exactly these."""
 
-    weights: torch.Tensor  # [rows, n] current weights, updated in place by the column loop
-    hinv: torch.Tensor  # [n, n] the block's square of U
-    scales: torch.Tensor  # [rows, n] per column: given when static, found at each group start otherwise
+    weights: torch.Tensor  # [E, rows, n] current weights, updated in place by the column loop
+    hinv: torch.Tensor  # [E, n, n] the block's square of U
+    scales: torch.Tensor  # [E, rows, n] per column: given when static, found at each group start otherwise
     zeros: torch.Tensor
-    codes: torch.Tensor  # [rows, n] out
-    errors: torch.Tensor  # [rows, n] out: (w - q) / U_jj, what the reference spreads over later columns
+    codes: torch.Tensor  # [E, rows, n] out
+    errors: torch.Tensor  # [E, rows, n] out: (w - q) / U_jj, what the reference spreads over later columns
 
 
 def _quantize_block(
     b: _Block, dynamic_group: int | None, config: QuantConfig, code_range: tuple[int, int]
 ) -> None:
     """The reference's inner loop: quantize column i, spread its error over the block's later columns."""
-    for i in range(b.weights.shape[1]):
+    for i in range(b.weights.shape[-1]):
         if dynamic_group is not None and i % dynamic_group == 0:
-            scale, zero = find_qparams(b.weights[:, i : i + dynamic_group], config.bits, config.sym,
+            scale, zero = find_qparams(b.weights[..., i : i + dynamic_group], config.bits, config.sym,
                                        config.options_as(RTNOptions).mse, config.scale_torch_dtype)
-            b.scales[:, i : i + dynamic_group] = scale.unsqueeze(1)
-            b.zeros[:, i : i + dynamic_group] = zero.unsqueeze(1)
-        w, scale, zero = b.weights[:, i], b.scales[:, i], b.zeros[:, i]
+            b.scales[..., i : i + dynamic_group] = scale.unsqueeze(-1)
+            b.zeros[..., i : i + dynamic_group] = zero.unsqueeze(-1)
+        w, scale, zero = b.weights[..., i], b.scales[..., i], b.zeros[..., i]
         q = quantize_codes(w, scale, zero, config.bits).clamp_(*code_range)
-        b.codes[:, i] = q
-        b.errors[:, i] = (w - (q - zero) * scale) / b.hinv[i, i]
-        b.weights[:, i + 1 :].addr_(b.errors[:, i], b.hinv[i, i + 1 :], alpha=-1)
+        b.codes[..., i] = q
+        b.errors[..., i] = (w - (q - zero) * scale) / b.hinv[:, i, i, None]
+        b.weights[..., i + 1 :].sub_(b.errors[..., i, None] * b.hinv[:, None, i, i + 1 :])
 
 
 class _BlockLoop:
@@ -159,8 +175,9 @@ class _BlockLoop:
         self, like: torch.Tensor, n: int, dynamic_group: int | None, config: QuantConfig,
         code_range: tuple[int, int],
     ) -> None:
-        rows = like.shape[0]
-        self.b = _Block(*(like.new_empty(shape) for shape in [(rows, n), (n, n)] + [(rows, n)] * 4))
+        count, rows = like.shape[:2]
+        shapes = [(count, rows, n), (count, n, n)] + [(count, rows, n)] * 4
+        self.b = _Block(*(like.new_empty(shape) for shape in shapes))
         self.dynamic_group, self.config, self.code_range = dynamic_group, config, code_range
         self.graph: torch.cuda.CUDAGraph | None = None
         self.warm = False
@@ -207,38 +224,39 @@ def _quantize_columns(
     config: QuantConfig,
     code_range: tuple[int, int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's lazy-batch loop. W [rows, cols] (processing order) is overwritten.
+    """The reference's lazy-batch loop for E problems side by side. W [E, rows, cols] (processing order) is
+    overwritten; U [E, cols, cols]; scales, zeros [E, rows, groups].
 
-    column_groups[j]: the group of the j-th processed column. dynamic_group: the group size when group
-    parameters are computed on reaching a group's first column (written into scales/zeros), None when
-    they are all given. Returns uint8 codes in processing order and the loss of each row.
+    column_groups[e, j]: the group of problem e's j-th processed column. dynamic_group: the group size when group
+    parameters are computed on reaching a group's first column (written into scales/zeros; the column order is
+    then the identity), None when they are all given. Returns uint8 codes in processing order and each row's loss.
 
     Deviation from the references: they compute a dynamic group's parameters from the block-level W,
     which for a group starting inside a block misses the in-block updates of the columns before it.
     Here blocks hold whole groups and the parameters come from the fully updated in-block weights, so
     the result does not depend on block_size (it equals the column-by-column algorithm).
     """
-    rows, cols = W.shape
+    count, rows, cols = W.shape
     block = config.options_as(GPTQOptions).block_size
     if dynamic_group is not None:
         block = max(dynamic_group, block - block % dynamic_group)
     loops = {
         n: _BlockLoop(W, n, dynamic_group, config, code_range) for n in {min(block, cols), cols % block} if n
     }
-    codes = torch.empty(rows, cols, dtype=torch.uint8, device=W.device)
-    row_loss = W.new_zeros(rows)
+    codes = torch.empty(count, rows, cols, dtype=torch.uint8, device=W.device)
+    row_loss = W.new_zeros(count, rows)
     for start in range(0, cols, block):
         end = min(start + block, cols)
-        groups = column_groups[start:end]
-        b = loops[end - start].run(
-            W[:, start:end], U[start:end, start:end], scales[:, groups], zeros[:, groups]
-        )
+        groups = column_groups[:, None, start:end]
+        b = loops[end - start].run(W[..., start:end], U[:, start:end, start:end],
+                                   scales.take_along_dim(groups, -1), zeros.take_along_dim(groups, -1))
         if dynamic_group is not None:
-            scales[:, groups[::dynamic_group]] = b.scales[:, ::dynamic_group]
-            zeros[:, groups[::dynamic_group]] = b.zeros[:, ::dynamic_group]
-        codes[:, start:end] = b.codes
-        row_loss += b.errors.square().sum(1) / 2
-        W[:, end:].addmm_(b.errors, U[start:end, end:], alpha=-1)
+            firsts = groups[0, 0, ::dynamic_group]
+            scales[..., firsts] = b.scales[..., ::dynamic_group]
+            zeros[..., firsts] = b.zeros[..., ::dynamic_group]
+        codes[..., start:end] = b.codes
+        row_loss += b.errors.square().sum(-1) / 2
+        W[..., end:].baddbmm_(b.errors, U[:, start:end, end:], alpha=-1)
     return codes, row_loss
 
 
@@ -265,93 +283,107 @@ def _rtn_fallback(
     return result
 
 
+@dataclass(frozen=True)
+class SharedInput:
+    """Weights [out_i, in] that read one input, and that input's Hessian H [in, in]: one GPTQ problem (rows are
+    independent given H: a column's error is spread along its own row, so each weight's result is what it gets
+    alone). `grid` replaces the min-max grid of the scheme; its parameters are static, as with act-order."""
+
+    weights: list[torch.Tensor]
+    hessian: torch.Tensor
+    grid: WeightGrid | None = None
+
+
 def gptq_quantize(
     weight: torch.Tensor, hessian: torch.Tensor, config: QuantConfig, grid: WeightGrid | None = None
 ) -> QuantizedWeight:
     """GPTQ-quantize weight [out, in] (untouched) given H [in, in], on weight's device.
 
     The math runs in fp32 (fp64 for a float64 weight, which the reference tests use to compare exactly).
-    `grid` replaces the min-max grid of config.bits/sym/mse; its parameters are static, as with act-order.
     """
-    return gptq_quantize_rows([weight], hessian, config, grid)[0]
+    return gptq_solve([SharedInput([weight], hessian, grid)], config)[0][0]
 
 
-def gptq_quantize_rows(
-    weights: list[torch.Tensor], hessian: torch.Tensor, config: QuantConfig, grid: WeightGrid | None = None
-) -> list[QuantizedWeight]:
-    """GPTQ of weights [out_i, in] that read one input (H [in, in]) as one solve of their stacked rows.
-
-    Rows are independent given H (a column's error is spread along its own row), so each result is what
-    gptq_quantize gives that weight alone, from one factorisation and one column loop instead of one each: on a
-    GPU the loop's kernel launches, not its arithmetic, are what a small weight (an MoE expert's) costs.
+def gptq_solve(problems: list[SharedInput], config: QuantConfig) -> list[list[QuantizedWeight]]:
+    """GPTQ of problems of one shape (the same weight shapes; an MoE layer's experts) side by side: one batched
+    factorisation and one column loop for all of them. On a GPU the loop's kernel launches, not its arithmetic,
+    are what a small weight costs; batched, E experts cost about what one does. Each result equals its own solve.
     """
     options = config.options_as(GPTQOptions)
-    dtype = torch.promote_types(weights[0].dtype, torch.float32)
-    sizes = [w.shape[0] for w in weights]
-    W = weights[0].new_empty(sum(sizes), weights[0].shape[1], dtype=dtype)
-    for part, weight in zip(W.split(sizes), weights, strict=True):
-        part.copy_(weight.detach())
-    rows, cols = W.shape
+    first = problems[0].weights
+    dtype = torch.promote_types(first[0].dtype, torch.float32)
+    sizes, cols, count = [w.shape[0] for w in first], first[0].shape[1], len(problems)
+    rows = sum(sizes)
+    W = first[0].new_empty(count, rows, cols, dtype=dtype)
+    for stacked, problem in zip(W, problems, strict=True):
+        for part, weight in zip(stacked.split(sizes), problem.weights, strict=True):
+            part.copy_(weight.detach())
     group = check_group_size(cols, config.group_size)
-    diagonal = hessian.diagonal().to(W.device, dtype)
-    dead = diagonal == 0
-    W[:, dead] = 0
+    diagonals = torch.stack([p.hessian.diagonal() for p in problems]).to(W.device, dtype)
+    dead = diagonals == 0
+    W.masked_fill_(dead[:, None, :], 0)
 
     # Per-channel parameters are static in the reference as well (found once, before any update).
-    static = options.act_order or group == cols or grid is not None
-    if grid is not None:
-        scales, zeros = grid.qparams(W.view(rows, cols // group, group))
+    grids = [p.grid for p in problems]
+    static = options.act_order or group == cols or grids[0] is not None
+    shape = (count, rows, cols // group, group)
+    if grids[0] is not None:
+        found = [grid.qparams(w.view(*shape[1:])) for grid, w in zip(grids, W, strict=True)]
+        scales, zeros = torch.stack([s for s, _ in found]), torch.stack([z for _, z in found])
     elif static:
-        scales, zeros = find_qparams(W.view(rows, cols // group, group), config.bits, config.sym, options.mse,
-                                     config.scale_torch_dtype)
+        scales, zeros = find_qparams(W.view(shape), config.bits, config.sym, options.mse, config.scale_torch_dtype)
     else:
-        scales, zeros = W.new_empty(rows, cols // group), W.new_empty(rows, cols // group)
-    channel_scales = getattr(grid, "channel_scales", None)  # a two-level grid's (QQQ), set by its qparams
-    order = torch.arange(cols, device=W.device)
+        scales, zeros = W.new_empty(shape[:3]), W.new_empty(shape[:3])
+    channel_scales = [getattr(grid, "channel_scales", None) for grid in grids]  # two-level grids' (QQQ)
+    order = torch.arange(cols, device=W.device).expand(count, cols)
     if options.act_order:
-        order = torch.argsort(diagonal.masked_fill(dead, 1), descending=True, stable=True)
-        W = W[:, order]
+        order = torch.argsort(diagonals.masked_fill(dead, 1), dim=-1, descending=True, stable=True)
+        W = W.take_along_dim(order[:, None, :], -1)
 
-    def working_hessian() -> torch.Tensor:
-        """A copy of H in the work dtype, act-order applied, dead inputs' diagonal set to 1."""
-        if options.act_order:
-            H = permute_symmetric(hessian.to(W.device, dtype), order)
-        else:
-            H = hessian.to(W.device, dtype, copy=True)
-        H.diagonal()[dead[order]] = 1  # order is the identity without act-order
-        return H
+    def working_hessians(members: list[int]) -> torch.Tensor:
+        """Copies of the members' H in the work dtype, act-order applied, dead inputs' diagonal set to 1."""
+        work = W.new_empty(len(members), cols, cols)
+        for k, e in enumerate(members):
+            hessian = problems[e].hessian.to(W.device, dtype)
+            work[k] = permute_symmetric(hessian, order[e]) if options.act_order else hessian
+            work[k].diagonal()[dead[e, order[e]]] = 1  # order is the identity without act-order
+        return work
 
-    U, damp_percent = inverse_hessian_factor(working_hessian, options.damp_percent, layer_label(weights[0]))
-    if U is None:
-        return [_rtn_fallback(w, hessian, config, "Cholesky failed at every damping", grid, damp_percent=damp_percent)
-                for w in weights]
-    column_groups = order // group
-    code_range = (0, 2**config.bits - 1) if grid is None else (grid.lowest, grid.highest)
-    codes, row_loss = _quantize_columns(
-        W, U, scales, zeros, column_groups, None if static else group, config, code_range
-    )
+    labels = [layer_label(p.weights[0]) for p in problems]
+    U, damps, factored = inverse_hessian_factors(working_hessians, count, options.damp_percent, labels)
+    code_range = (0, 2**config.bits - 1) if grids[0] is None else (grids[0].lowest, grids[0].highest)
+    codes, row_loss = _quantize_columns(W, U, scales, zeros, order // group, None if static else group, config,
+                                        code_range)
     if options.act_order:
-        codes = codes[:, torch.argsort(order)]
-    results = []
+        codes = codes.take_along_dim(torch.argsort(order)[:, None, :], -1)
     bounds = list(accumulate(sizes, initial=0))
-    for weight, first, end, loss in zip(weights, bounds, bounds[1:], row_loss.split(sizes), strict=False):
-        loss = loss.sum().item()
-        if not math.isfinite(loss):
-            results.append(_rtn_fallback(weight, hessian, config, "GPTQ produced a non-finite loss", grid,
-                                         damp_percent=damp_percent))
-            continue
-        rows_of = slice(first, end)
-        results.append(QuantizedWeight(
-            codes=codes[rows_of],
-            scales=scales[rows_of].to(torch.float32),  # fp16-rounded by compute_qparams: exact in fp32
-            zeros=zeros[rows_of].to(torch.uint8),
-            bits=config.bits,
-            group_size=config.group_size,
-            sym=config.sym,
-            channel_scales=None if channel_scales is None else channel_scales[rows_of].to(torch.float32),
-            info={"loss": loss, "damp_percent": damp_percent},
-        ))
-    return results
+    return [[_result(codes[e, lo:hi], scales[e, lo:hi], zeros[e, lo:hi],
+                     None if channel_scales[e] is None else channel_scales[e][lo:hi], row_loss[e, lo:hi],
+                     weight, problem, damps[e], factored[e], config)
+             for weight, lo, hi in zip(problem.weights, bounds, bounds[1:], strict=False)]
+            for e, problem in enumerate(problems)]
+
+
+def _result(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, channel_scales: torch.Tensor | None,
+            row_loss: torch.Tensor, weight: torch.Tensor, problem: SharedInput, damp_percent: float, factored: bool,
+            config: QuantConfig) -> QuantizedWeight:
+    """One weight's rows of a solve, or its RTN fallback where the solve failed."""
+    loss = row_loss.sum().item()
+    reason = None if factored else "Cholesky failed at every damping"
+    if reason is None and not math.isfinite(loss):
+        reason = "GPTQ produced a non-finite loss"
+    if reason is not None:
+        return _rtn_fallback(weight, problem.hessian, config, reason, problem.grid, damp_percent=damp_percent)
+    return QuantizedWeight(
+        codes=codes,
+        scales=scales.to(torch.float32),  # fp16-rounded by compute_qparams: exact in fp32
+        zeros=zeros.to(torch.uint8),
+        bits=config.bits,
+        group_size=config.group_size,
+        sym=config.sym,
+        channel_scales=None if channel_scales is None else channel_scales.to(torch.float32),
+        info={"loss": loss, "damp_percent": damp_percent},
+    )
 
 
 @contextmanager
@@ -362,6 +394,22 @@ def _tf32_matmul(enabled: bool) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+# Problems solved side by side at most this many bytes at a time (weights and Hessian copies): on a GPU batching
+# saves the column loop's launches, on a CPU only Python's overhead, and host memory is what streaming bounds.
+GPTQ_BATCH_BYTES = {"cuda": 4 << 30, "cpu": 64 << 20}
+
+
+def _chunks(members: list[int], groups: list[list[LinearQuantizer]]) -> Iterator[list[int]]:
+    """`members` cut into runs whose solve fits GPTQ_BATCH_BYTES (one problem at least)."""
+    rows = sum(q.linear.out_features for q in groups[0])
+    cols = groups[0][0].linear.in_features
+    per_problem = 4 * (3 * rows * cols + 2 * cols * cols)  # fp32: weights, permuted copy, block buffers; H copies
+    budget = GPTQ_BATCH_BYTES.get(groups[0][0].H.device.type, GPTQ_BATCH_BYTES["cuda"])
+    size = max(1, budget // per_problem)
+    for start in range(0, len(members), size):
+        yield members[start : start + size]
 
 
 class GPTQQuantizer(LinearQuantizer):
@@ -388,27 +436,55 @@ class GPTQQuantizer(LinearQuantizer):
         self.nsamples = total
 
     def quantize(self) -> QuantizedWeight:
-        return self.quantize_with([])[0]
+        return self.quantize_groups([[self]])[0][0]
 
-    def quantize_with(self, sharers: list[LinearQuantizer]) -> list[QuantizedWeight]:
-        """One solve for this linear and those that took its Hessian (gptq_quantize_rows)."""
-        if not all(type(s) is type(self) and s.config == self.config and s.H is self.H for s in sharers):
-            return super().quantize_with(sharers)
-        weights = [q.linear.weight for q in (self, *sharers)]
-        for weight in weights:
-            check_finite_weights(weight)
+    def prepare(self) -> None:  # noqa: B027 - optional hook
+        """Set up what the solve needs from the statistics (AWQ-GPTQ: its grid from H)."""
+
+    @classmethod
+    def quantize_groups(cls, groups: list[list[LinearQuantizer]]) -> list[list[QuantizedWeight]]:
+        """Each group (a linear and those that took its Hessian) is one GPTQ problem; problems of one shape are
+        solved side by side (gptq_solve), as many at a time as GPTQ_BATCH_BYTES allows."""
+        results: dict[int, list[QuantizedWeight]] = {}
+        batches: dict[tuple, list[int]] = {}
+        for i, group in enumerate(groups):
+            owner = group[0]
+            if not all(isinstance(q, GPTQQuantizer) and type(q) is type(owner) and q.config == owner.config
+                       and q.H is owner.H for q in group):
+                results[i] = [q.quantize() for q in group]
+                continue
+            solved = owner._without_statistics(group)
+            if solved is not None:
+                results[i] = solved
+                continue
+            owner.prepare()
+            key = (type(owner), owner.config, tuple(q.linear.weight.shape for q in group), owner.H.device,
+                   owner.grid is None)
+            batches.setdefault(key, []).append(i)
+        for members in batches.values():
+            for chunk in _chunks(members, [groups[i] for i in members]):
+                problems = [SharedInput([q.linear.weight for q in groups[i]], groups[i][0].H, groups[i][0].grid)
+                            for i in chunk]
+                for i, solved in zip(chunk, gptq_solve(problems, groups[chunk[0]][0].config), strict=True):
+                    for result in solved:
+                        result.info["nsamples"] = groups[i][0].nsamples
+                    results[i] = solved
+        return [results[i] for i in range(len(groups))]
+
+    def _without_statistics(self, group: list[LinearQuantizer]) -> list[QuantizedWeight] | None:
+        """The group's results when its Hessian cannot be used (RTN where no token reached it); raises on
+        non-finite weights or inputs; None when the solve can go ahead."""
+        for q in group:
+            check_finite_weights(q.linear.weight)
         if self.H is None:
-            return [_rtn_fallback(w, None, self.config, "no calibration tokens reached this layer", self.grid,
-                                  nsamples=0) for w in weights]
+            return [_rtn_fallback(q.linear.weight, None, self.config, "no calibration tokens reached this layer",
+                                  self.grid, nsamples=0) for q in group]
         if not torch.isfinite(self.H).all():
             raise QuantizationError(
-                f"the calibration inputs of {layer_label(weights[0])} contain NaN/Inf; "
+                f"the calibration inputs of {layer_label(self.linear.weight)} contain NaN/Inf; "
                 "the model overflows in its dtype on the calibration data (try a float32 or bfloat16 load)"
             )
-        results = gptq_quantize_rows(weights, self.H, self.config, self.grid)
-        for result in results:
-            result.info["nsamples"] = self.nsamples
-        return results
+        return None
 
     def free(self) -> None:
         self.H = None
