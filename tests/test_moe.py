@@ -11,7 +11,14 @@ import pytest
 import torch
 from test_engine import random_calibration
 from torch import nn
-from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    MixtralConfig,
+    OlmoeConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
 from quantkit.config import QuantConfig
 from quantkit.engine import quantize_model
@@ -39,6 +46,13 @@ CONFIGS = {
                                              **kw}),
     "olmoe": lambda **kw: OlmoeConfig(**{**_COMMON, "num_experts": EXPERTS, "intermediate_size": 32,
                                          "norm_topk_prob": False, **kw}),
+    # MLA with a q LoRA, a shared expert, sigmoid routing over 2 groups of 2 (both taken: the silent expert stays
+    # silent; test_deepseek_router_limits_groups takes one), every layer sparse (first_k_dense_replace 0)
+    "deepseek_v3": lambda **kw: DeepseekV3Config(**{
+        **_COMMON, "num_key_value_heads": 4, "n_routed_experts": EXPERTS, "moe_intermediate_size": 32,
+        "intermediate_size": 96, "n_shared_experts": 1, "n_group": 2, "topk_group": 2, "first_k_dense_replace": 0,
+        "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, **kw}),
 }
 KINDS = list(CONFIGS)
 
@@ -75,7 +89,7 @@ def test_unfused_block_computes_what_transformers_computes(kind: str) -> None:
     unfuse_experts(model, get_adapter(model))
     for layer, expected in zip(model.model.layers, reference, strict=True):
         assert isinstance(layer.mlp, UnfusedMoe)
-        assert isinstance(layer.mlp.gate, nn.Linear)
+        assert isinstance(layer.mlp.gate, nn.Linear) or layer.mlp.router_routes  # DeepSeek's router kept whole
         torch.testing.assert_close(layer.mlp(x), expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(model(ids).logits, logits, rtol=1e-12, atol=1e-12)
 
@@ -93,9 +107,25 @@ def test_adapter_names_every_expert_linear() -> None:
                for g in adapter.scaling_groups)
 
 
-def test_deepseek_v3_is_refused_with_what_is_missing() -> None:
-    with pytest.raises(QuantizationError, match="MLA attention"):
-        get_adapter("deepseek_v3")
+def test_deepseek_router_limits_groups_as_transformers_does() -> None:
+    """The unfused block keeps DeepSeek's router module: sigmoid scores, the bias correction, the best topk_group
+    of n_group groups, norm_topk_prob and routed_scaling_factor route every token to the experts transformers'
+    block picks, with its weights; one dense first layer keeps its MLP."""
+    model = tiny_moe("deepseek_v3", torch.float64, silent_expert=False, topk_group=1, first_k_dense_replace=1)
+    layer = model.model.layers[1]
+    with torch.no_grad():
+        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.5)
+    x = torch.randn(2, 7, 64, dtype=torch.float64)
+    with torch.no_grad():
+        expected_logits, expected_weights, expected_index = layer.mlp.gate(x)
+        expected = layer.mlp(x)
+        unfuse_experts(model, get_adapter(model))
+        weights, index = layer.mlp.route(x.reshape(-1, 64))
+        torch.testing.assert_close(layer.mlp(x), expected)
+    assert torch.equal(index, expected_index) and torch.equal(weights, expected_weights)
+    groups = index // (EXPERTS // 2)
+    assert bool((groups == groups[:, :1]).all())  # one group per token
+    assert isinstance(layer.mlp, UnfusedMoe) and not isinstance(model.model.layers[0].mlp, UnfusedMoe)
 
 
 def _routed_counts(model: nn.Module, calib) -> list[list[int]]:
@@ -127,7 +157,7 @@ def test_every_expert_is_quantized_and_counted(kind: str, method: str) -> None:
         for e in range(EXPERTS):
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 assert isinstance(layer.mlp.experts[e].get_submodule(proj), QuantLinear), (i, e, proj)
-        assert isinstance(layer.mlp.gate, nn.Linear) and not isinstance(layer.mlp.gate, QuantLinear)
+        assert not isinstance(layer.mlp.gate, QuantLinear)
         counts = report.layers[i]["expert_tokens"]["mlp"]
         assert counts[SILENT] == 0
         real = int(calib.attention_mask.sum()) if method != "rtn" else 0  # RTN runs no calibration pass
@@ -184,11 +214,11 @@ def test_few_tokens_raise_the_dampening() -> None:
             in report.fallbacks
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3"])
 @pytest.mark.parametrize("fmt,sym,act_bits", [("compressed-tensors", True, 16), ("compressed-tensors", False, 16),
                                               ("compressed-tensors", True, 8), ("gptq", True, 16)])
 def test_export_reloads_with_equal_logits(tmp_path, kind: str, fmt: str, sym: bool, act_bits: int) -> None:
-    if fmt == "gptq" and kind in ("qwen2_moe", "olmoe"):
+    if fmt == "gptq" and kind in ("qwen2_moe", "olmoe", "deepseek_v3"):
         pytest.skip("one GPTQ export per expert layout is enough")
     model = tiny_moe(kind)
     config = QuantConfig(method="gptq", group_size=32, sym=sym, act_bits=act_bits)
@@ -203,7 +233,7 @@ def test_export_reloads_with_equal_logits(tmp_path, kind: str, fmt: str, sym: bo
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"])
 def test_transformers_loads_the_compressed_tensors_export(tmp_path, kind: str) -> None:
     """transformers decompresses the per-expert tensors into its fused 3-D experts: same logits as quantkit."""
     model = tiny_moe(kind)

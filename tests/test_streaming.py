@@ -173,7 +173,8 @@ def _moe_checkpoint(folder: Path, kind: str, tokenizer=None) -> Path:
 
 @pytest.mark.parametrize("kind,config,fmt", [("qwen3_moe", CONFIGS["gptq"], "gptq"),
                                             ("mixtral", CONFIGS["awq"], "awq"),  # its checkpoints' own names
-                                            ("qwen2_moe", CONFIGS["rtn"], "compressed-tensors")])  # shared expert
+                                            ("qwen2_moe", CONFIGS["rtn"], "compressed-tensors"),  # shared expert
+                                            ("deepseek_v3", CONFIGS["gptq"], "compressed-tensors")])  # MLA, router
 def test_moe_streams_one_layer_at_a_time_with_the_in_memory_bytes(tmp_path, single_thread, kind: str,
                                                                    config: QuantConfig, fmt: str) -> None:
     """Each layer's experts are read from the checkpoint's per-expert tensors as the layer is reached."""
@@ -188,8 +189,59 @@ def test_moe_streams_one_layer_at_a_time_with_the_in_memory_bytes(tmp_path, sing
     assert _digest(out) == expected
     assert counting.peak_live == 1 and counting.peak_seen == 1
     expert_linears = [n for n in report.layers[0]["linears"] if ".experts." in n]
-    assert len(expert_linears) == 3 * model.config.to_dict().get("num_experts", model.config.to_dict().get(
-        "num_local_experts"))
+    assert len(expert_linears) == 3 * getattr(model.config, get_adapter(model).experts.count)
+
+
+def _fp8_copies(source: Path, fp8: Path, widened: Path) -> None:
+    """`source` with every decoder-layer linear weight but the router's in DeepSeek's FP8 form (float8_e4m3fn, one
+    fp32 scale per 128 x 128 block: here 32 x 32, as weight_block_size says), and the same values widened to fp32."""
+    from safetensors.torch import load_file, save_file
+
+    from quantkit.streaming.checkpoint import dequantize_fp8_blocks
+
+    block = (32, 32)
+    for folder in (fp8, widened):
+        folder.mkdir()
+        for other in source.iterdir():
+            if other.suffix != ".safetensors":
+                (folder / other.name).write_bytes(other.read_bytes())
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    for shard in source.glob("*.safetensors"):
+        codes, wide = {}, {}
+        for name, tensor in load_file(shard).items():
+            if ".layers." not in name or not name.endswith("proj.weight"):
+                codes[name] = wide[name] = tensor
+                continue
+            blocks = tensor.unflatten(0, (-1, block[0])).unflatten(2, (-1, block[1]))  # [R, b0, C, b1]
+            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448
+            codes[name] = (tensor / scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)).to(
+                torch.float8_e4m3fn)
+            codes[name + "_scale_inv"] = scale
+            wide[name] = dequantize_fp8_blocks(codes[name], scale, block)
+        save_file(codes, fp8 / shard.name)
+        save_file(wide, widened / shard.name)
+    index = fp8 / "model.safetensors.index.json"
+    weights = json.loads(index.read_text())
+    weights["weight_map"].update({f"{n}_scale_inv": f for n, f in weights["weight_map"].items()
+                                  if ".layers." in n and n.endswith("proj.weight")})
+    index.write_text(json.dumps(weights))
+
+
+def test_deepseek_fp8_block_scaled_source_streams_as_its_dequantized_values(tmp_path, single_thread) -> None:
+    """An FP8 DeepSeek checkpoint is dequantized weight by weight as it streams: its export has the bytes of the
+    export of a checkpoint holding the dequantized values, and it carries no FP8 quantization_config."""
+    source = _moe_checkpoint(tmp_path / "src", "deepseek_v3")
+    _fp8_copies(source, tmp_path / "fp8", tmp_path / "widened")
+    expected, _ = _streamed(tmp_path / "widened", CONFIGS["gptq"], "compressed-tensors", tmp_path / "from_widened")
+    out, _ = _streamed(tmp_path / "fp8", CONFIGS["gptq"], "compressed-tensors", tmp_path / "from_fp8")
+    weights = [name for name in _digest(out) if name != "config.json"]  # config.json names its source
+    assert weights and {n: _digest(out)[n] for n in weights} == {n: _digest(expected)[n] for n in weights}
+    config, reference = (json.loads((folder / "config.json").read_text()) for folder in (out, expected))
+    assert {**config, "_name_or_path": None} == {**reference, "_name_or_path": None}
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
 
 
 def test_a_missing_expert_or_a_wrong_index_is_one_line_before_any_work(tmp_path) -> None:

@@ -89,8 +89,11 @@ class MoeExperts:
     count: str  # the config attribute holding the experts per MoE layer
     block: str = "mlp"
     fused_experts: bool = True
-    shared_expert: str | None = None  # a dense MLP every token goes through (qwen2_moe)
+    shared_expert: str | None = None  # a dense MLP every token goes through (qwen2_moe, deepseek_v3)
     shared_expert_gate: str | None = None  # nn.Linear(hidden, 1): sigmoid-gates the shared expert's output
+    # the block's router module computes the top-k itself, `gate(x) -> (logits, weights, indices)` (DeepSeek's
+    # sigmoid scores with bias correction and group-limited top-k): kept as it is, never quantized
+    router_routes: bool = False
     # Mixtral scales expert outputs by fp32 routing weights; Qwen and OLMoE first cast them to the model's dtype
     fp32_routing_weights: bool = False
     # (quantkit name part, checkpoint name part) pairs where on-disk checkpoints, and so vLLM's and transformers'
@@ -215,37 +218,60 @@ def _llama_like(name: str, model_types: tuple[str, ...], decoder: DecoderTraits 
 
 _OPT_ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _EXPERT_GATE_UP = ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj")
-_SHARED_GATE_UP = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
+# An attention's part of an entry: its sequential steps, fused groups and scaling groups.
+_GQA = (
+    (_ATTN, ("self_attn.o_proj",)),
+    (_ATTN,),
+    (ScalingGroup("input_layernorm", _ATTN, inspect="self_attn"),
+     ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), requires_square=True)),
+)
+# Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): q through a low-rank pair with its own norm (or one q_proj
+# where config.q_lora_rank is None), k and v from one compressed latent with its norm. q_a and kv_a read the layer's
+# input (vLLM fuses them: fused_qkv_a_proj); each norm scales the b projection after it. o_proj reads per-head
+# slices of kv_b_proj's interleaved k/v rows: no v -> o group.
+_MLA_A = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")
+_MLA_Q = ("self_attn.q_proj", "self_attn.kv_a_proj_with_mqa")
+_MLA = (
+    (("self_attn.q_a_proj", "self_attn.q_proj", "self_attn.kv_a_proj_with_mqa"),
+     ("self_attn.q_b_proj", "self_attn.kv_b_proj"), ("self_attn.o_proj",)),
+    (_MLA_A, _MLA_Q),
+    (ScalingGroup("input_layernorm", _MLA_A, inspect="self_attn"),
+     ScalingGroup("input_layernorm", _MLA_Q, inspect="self_attn"),
+     ScalingGroup("self_attn.q_a_layernorm", ("self_attn.q_b_proj",)),
+     ScalingGroup("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",))),
+)
 
 
-def _moe(name: str, model_types: tuple[str, ...], experts: MoeExperts) -> ArchAdapter:
-    """A Llama-like decoder whose MLP is a sparse MoE block (dense MLP layers, as Qwen's mlp_only_layers, keep
-    the dense names: each layer quantizes the names it has).
+def _moe(name: str, model_types: tuple[str, ...], experts: MoeExperts,
+         attention: tuple[tuple, tuple, tuple] = _GQA) -> ArchAdapter:
+    """A Llama-like decoder whose MLP is a sparse MoE block (dense MLP layers, as Qwen's mlp_only_layers and
+    DeepSeek's first_k_dense_replace, keep the dense names: each layer quantizes the names it has).
 
-    Smoothing: input_layernorm -> q/k/v, v -> o; the post-attention norm -> every expert's and the shared
-    expert's gate/up together (the router and the shared expert's gate read the norm too: they are scaled along,
-    unquantized; the loss is the whole MoE block's output); each expert's (and the shared expert's) up -> down on
-    its own.
+    Smoothing: the attention's groups (input_layernorm -> q/k/v, v -> o); the post-attention norm -> every expert's
+    and the shared expert's gate/up together (the router and the shared expert's gate read the norm too: they are
+    scaled along, unquantized; the loss is the whole MoE block's output); each expert's (and the shared expert's)
+    up -> down on its own.
     """
-    shared = experts.shared_expert is not None
-    sparse_gate_up = (*_EXPERT_GATE_UP, *(_SHARED_GATE_UP if shared else ()))
+    attention_steps, attention_fused, attention_groups = attention
+    shared = experts.shared_expert
+    shared_gate_up = () if shared is None else (f"{shared}.gate_proj", f"{shared}.up_proj")
+    sparse_gate_up = (*_EXPERT_GATE_UP, *shared_gate_up)
     gate_up = (*_MLP, *sparse_gate_up)
-    down = ("mlp.down_proj", "mlp.experts.*.down_proj", *(("mlp.shared_expert.down_proj",) if shared else ()))
+    down = ("mlp.down_proj", "mlp.experts.*.down_proj", *(() if shared is None else (f"{shared}.down_proj",)))
+    passengers = ("mlp.gate", *(() if experts.shared_expert_gate is None else (experts.shared_expert_gate,)))
     return ArchAdapter(
         name=name,
         model_types=model_types,
         layers="model.layers",
-        sequential=(_ATTN, ("self_attn.o_proj",), gate_up, down),
-        fused=(_ATTN, _MLP, _EXPERT_GATE_UP, *((_SHARED_GATE_UP,) if shared else ())),
+        sequential=(*attention_steps, gate_up, down),
+        fused=(*attention_fused, _MLP, _EXPERT_GATE_UP, *(() if shared is None else (shared_gate_up,))),
         scaling_groups=(
-            ScalingGroup("input_layernorm", _ATTN, inspect="self_attn"),
-            ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), requires_square=True),
+            *attention_groups,
             ScalingGroup("post_attention_layernorm", _MLP, inspect="mlp"),  # dense MLP layers
-            ScalingGroup("post_attention_layernorm", sparse_gate_up, inspect="mlp",
-                         passengers=("mlp.gate", *((experts.shared_expert_gate,) if shared else ()))),
+            ScalingGroup("post_attention_layernorm", sparse_gate_up, inspect="mlp", passengers=passengers),
             ScalingGroup("mlp.up_proj", ("mlp.down_proj",)),
             ScalingGroup("mlp.experts.*.up_proj", ("mlp.experts.*.down_proj",)),
-            *((ScalingGroup("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",)),) if shared else ()),
+            *(() if shared is None else (ScalingGroup(f"{shared}.up_proj", (f"{shared}.down_proj",)),)),
         ),
         outer=_LLAMA_OUTER,
         decoder=None,
@@ -284,14 +310,15 @@ ADAPTERS: tuple[ArchAdapter, ...] = (
     _moe("mixtral", ("mixtral",), MoeExperts(count="num_local_experts", fp32_routing_weights=True, checkpoint_names=(
         (".mlp.", ".block_sparse_moe."), (".gate_proj", ".w1"), (".up_proj", ".w3"), (".down_proj", ".w2")))),
     _moe("olmoe", ("olmoe",), MoeExperts(count="num_experts")),
+    # DeepSeek-V3/R1/V3.1 and Kimi-K2 (model_type kimi_k2 where its config says so): MLA attention, dense first
+    # layers, routed experts with one ungated shared MLP, the router kept whole (quantkit computes nothing of it)
+    _moe("deepseek_v3", ("deepseek_v3", "kimi_k2"), MoeExperts(
+        count="n_routed_experts", shared_expert="mlp.shared_experts", router_routes=True, fp32_routing_weights=True),
+        attention=_MLA),
 )
 
 # Architectures that look supported but need what no entry can say yet: refused with the reason.
-REFUSED = {
-    "deepseek_v3": "DeepSeek-V3 needs entries for MLA attention (q_a_proj/q_b_proj/kv_a_proj_with_mqa/kv_b_proj with "
-                   "their own norms) and for its router (sigmoid scores with a bias correction, group-limited top-k, "
-                   "a routed scaling factor); quantkit's MoE block reproduces softmax top-k routers only",
-}
+REFUSED: dict[str, str] = {}
 
 
 _BY_MODEL_TYPE = {model_type: adapter for adapter in ADAPTERS for model_type in adapter.model_types}

@@ -63,16 +63,20 @@ class ExpertMLP(nn.Module):
 
 
 class UnfusedMoe(nn.Module):
-    def __init__(self, gate: nn.Linear, experts: nn.ModuleList, top_k: int, norm_topk_prob: bool,
-                 shared_expert: nn.Module | None = None, shared_expert_gate: nn.Module | None = None,
-                 fp32_routing_weights: bool = False) -> None:
+    def __init__(self, gate: nn.Module, experts: nn.ModuleList, top_k: int, norm_topk_prob: bool,
+                 shared: tuple[str, nn.Module, nn.Module | None] | None = None, fp32_routing_weights: bool = False,
+                 router_routes: bool = False) -> None:
+        """`shared`: the shared expert's attribute name, module and sigmoid gate (None: ungated, as DeepSeek's);
+        `router_routes`: `gate` is the architecture's own router, returning (logits, weights, indices)."""
         super().__init__()
-        self.fp32_routing_weights = fp32_routing_weights
+        self.fp32_routing_weights, self.router_routes = fp32_routing_weights, router_routes
         self.gate = gate
         self.experts = experts
-        if shared_expert is not None:
-            self.shared_expert = shared_expert
-            self.shared_expert_gate = shared_expert_gate
+        self.shared_name = None if shared is None else shared[0]
+        if shared is not None:
+            self.add_module(shared[0], shared[1])
+            if shared[2] is not None:
+                self.shared_expert_gate = shared[2]
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.all_tokens = False  # calibration: every expert's statistics from every real token
         self._calibration: weakref.ref[_MaskSource] | None = None
@@ -81,6 +85,9 @@ class UnfusedMoe(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routing weights (fp32, or x's dtype) and expert indices, [tokens, top_k] each."""
+        if self.router_routes:  # DeepSeek's sigmoid scores, bias correction, group-limited top-k, scaling factor
+            _, weights, index = self.gate(x)
+            return weights if self.fp32_routing_weights else weights.to(x.dtype), index
         logits = self.gate(x)
         weights, index = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -97,8 +104,10 @@ class UnfusedMoe(nn.Module):
         weights, index = self.route(x)
         grouped = self.grouped_experts() if self._wants_grouped(x) else None
         out = grouped(x, index, weights) if grouped is not None else self._expert_loop(x, weights, index)
-        if hasattr(self, "shared_expert"):
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_name is not None:
+            shared = self.get_submodule(self.shared_name)(x)
+            gate = getattr(self, "shared_expert_gate", None)
+            out = out + (shared if gate is None else torch.sigmoid(gate(x)) * shared)
         return out.reshape(hidden_states.shape)
 
     def _expert_loop(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -215,18 +224,24 @@ def _unfuse_block(block: nn.Module, spec: MoeExperts) -> UnfusedMoe:
     count, hidden = router.weight.shape
     intermediate = fused.down_proj.shape[2]
     like = fused.down_proj
-    gate = nn.Linear(hidden, count, bias=False, dtype=like.dtype, device=like.device)
-    gate.weight.data.copy_(router.weight.data)
+    if spec.router_routes:
+        gate = router
+    else:
+        gate = nn.Linear(hidden, count, bias=False, dtype=like.dtype, device=like.device)
+        gate.weight.data.copy_(router.weight.data)
     experts = nn.ModuleList(ExpertMLP(hidden, intermediate, fused.act_fn, like) for _ in range(count))
     for e, expert in enumerate(experts):
         gate_w, up_w = fused.gate_up_proj.data[e].chunk(2, dim=0)
         expert.gate_proj.weight.data.copy_(gate_w)
         expert.up_proj.weight.data.copy_(up_w)
         expert.down_proj.weight.data.copy_(fused.down_proj.data[e])
-    shared = spec.shared_expert is not None
-    return UnfusedMoe(gate, experts, router.top_k, getattr(router, "norm_topk_prob", True),
-                      block.shared_expert if shared else None, block.shared_expert_gate if shared else None,
-                      spec.fp32_routing_weights)
+    shared = None
+    if spec.shared_expert is not None:
+        name = spec.shared_expert.rpartition(".")[2]
+        gate_name = None if spec.shared_expert_gate is None else spec.shared_expert_gate.rpartition(".")[2]
+        shared = (name, block.get_submodule(name), None if gate_name is None else block.get_submodule(gate_name))
+    return UnfusedMoe(gate, experts, router.top_k, getattr(router, "norm_topk_prob", True), shared,
+                      spec.fp32_routing_weights, spec.router_routes)
 
 
 def _named_blocks(layer: nn.Module, adapter: ArchAdapter) -> list[tuple[str, UnfusedMoe]]:

@@ -2,6 +2,10 @@
 
 Each read opens the shards it needs memory-mapped, copies out only the requested tensors and closes
 them again, so the mapped pages of other layers never count towards the process's resident memory.
+
+FP8 sources in DeepSeek's form (DeepSeek-V3/R1, Kimi-K2: float8_e4m3fn weights, each with a `weight_scale_inv` of one
+fp32 factor per 128 x 128 block, config.json's quantization_config.weight_block_size) are dequantized to fp32 as each
+weight is read: nothing but the tensors at hand is ever held in a wider dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +22,19 @@ from quantkit.qtensor import QuantizationError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_SUFFIX = "_scale_inv"  # DeepSeek's name for the block scales of X.weight: X.weight_scale_inv
+DEFAULT_FP8_BLOCK = (128, 128)
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """fp32 weight [out, in] from float8 codes and one factor per block [ceil(out / b0), ceil(in / b1)]."""
+    rows, cols = weight.shape
+    if scale_inv.shape != (-(-rows // block[0]), -(-cols // block[1])):
+        raise QuantizationError(f"an FP8 weight [{rows}, {cols}] has block scales {list(scale_inv.shape)}, not one per "
+                                f"{block[0]} x {block[1]} block (config.json's weight_block_size)")
+    factors = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * factors
 
 
 def streamable_reason(source: str | None, trust_remote_code: bool) -> str | None:
@@ -53,6 +70,9 @@ class SafetensorsCheckpoint:
             for fname in files:
                 with safe_open(self.folder / fname, "pt") as f:
                     self.weight_map.update(dict.fromkeys(f.keys(), fname))
+        config = self.folder / "config.json"
+        quantization = json.loads(config.read_text()).get("quantization_config") or {} if config.is_file() else {}
+        self.fp8_block = tuple(quantization.get("weight_block_size") or DEFAULT_FP8_BLOCK)
 
     def check_index(self) -> None:
         """Every shard the index names exists and holds the tensors the index places in it (headers only)."""
@@ -73,7 +93,20 @@ class SafetensorsCheckpoint:
         return [name for name in self.weight_map if name.startswith(prefix)]
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Copies of the named tensors, each shard mapped only while its tensors are copied out."""
+        """Copies of the named tensors (FP8 block-scaled weights dequantized to fp32), each shard mapped only while
+        its tensors are copied out."""
+        tensors = self._read_stored(names)
+        fp8 = [name for name, tensor in tensors.items() if tensor.dtype in FP8_DTYPES]
+        absent = [name for name in fp8 if name + SCALE_SUFFIX not in self.weight_map]
+        if absent:
+            raise QuantizationError(f"{self.folder}: the FP8 tensor {absent[0]!r} has no {absent[0] + SCALE_SUFFIX!r}; "
+                                    "only block-scaled FP8 in DeepSeek's form is read")
+        scales = self._read_stored([name + SCALE_SUFFIX for name in fp8])
+        for name in fp8:
+            tensors[name] = dequantize_fp8_blocks(tensors[name], scales[name + SCALE_SUFFIX], self.fp8_block)
+        return tensors
+
+    def _read_stored(self, names: list[str]) -> dict[str, torch.Tensor]:
         missing = [n for n in names if n not in self.weight_map]
         if missing:
             raise QuantizationError(f"{self.folder}: the checkpoint has no tensor {missing[0]!r}")
