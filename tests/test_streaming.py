@@ -25,8 +25,10 @@ import quantkit.export
 import quantkit.outputs
 from quantkit.config import QuantConfig
 from quantkit.engine import quantize_model
+from quantkit.eval.layerwise import layerwise_scores
 from quantkit.export import export_checkpoint
 from quantkit.models import get_adapter
+from quantkit.models.loading import is_quantkit_export
 from quantkit.qtensor import QuantizationError
 from quantkit.quantizers.gptq import GPTQOptions
 from quantkit.quantizers.qqq import QQQOptions
@@ -242,6 +244,12 @@ def test_deepseek_fp8_block_scaled_source_streams_as_its_dequantized_values(tmp_
     config, reference = (json.loads((folder / "config.json").read_text()) for folder in (out, expected))
     assert {**config, "_name_or_path": None} == {**reference, "_name_or_path": None}
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    # the FP8 original is a source, not an export, to the evaluation too: layer by layer it scores as its values
+    assert not is_quantkit_export(tmp_path / "fp8") and is_quantkit_export(out)
+    windows = {"random": torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))}
+    fp8, widened = layerwise_scores([tmp_path / "fp8", tmp_path / "widened"], windows, device="cpu",
+                                    dtype=torch.float32)["random"]
+    assert fp8["nll"] == widened["nll"] and widened["kl"] == 0
 
 
 def test_a_missing_expert_or_a_wrong_index_is_one_line_before_any_work(tmp_path) -> None:

@@ -130,14 +130,20 @@ def _from_pretrained(source: str, dtype: torch.dtype, trust_remote_code: bool, a
     return model
 
 
+EXPORT_METHODS = ("gptq", "awq", "compressed-tensors")  # quant_method values of the layouts quantkit reads back
+
+
 def is_quantkit_export(source: str | Path) -> bool:
+    """A checkpoint in one of the 4-bit layouts quantkit reads back (not an FP8 original such as DeepSeek-V3's,
+    which is read as a full-precision source)."""
     config = Path(source).expanduser() / "config.json"
     if not config.is_file():
         return False
     try:
-        return "quantization_config" in json.loads(config.read_text())
+        quantization = json.loads(config.read_text()).get("quantization_config")
     except (json.JSONDecodeError, UnicodeDecodeError):
         return False  # a damaged config: loading it then fails with one clear line
+    return isinstance(quantization, dict) and quantization.get("quant_method") in EXPORT_METHODS
 
 
 def load_for_eval(
