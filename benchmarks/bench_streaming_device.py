@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, PretrainedConfig, Qwen3MoeConfig
 
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
@@ -40,13 +40,27 @@ SHAPES = {  # name: (hidden, FFN (per expert), heads, kv heads, vocab, experts, 
     "qwen3-235b-a22b": (4096, 1536, 64, 4, 151936, 128, 128, 2048, 94),
     "tiny": (256, 512, 4, 2, 1024, 0, 8, 64, 80),
     "tiny-moe": (256, 128, 4, 2, 1024, 8, 8, 64, 94),
+    # DeepSeek-V3-671B (MLA, q_lora 1536, kv_lora 512; 256 experts of 2048, top-8 of 8 groups, one shared expert),
+    # every layer an MoE layer (the real model's first 3 are dense), stored in DeepSeek's FP8 block-scaled form
+    "deepseek": (7168, 2048, 128, 128, 129280, 256, 128, 2048, 61),
+    "tiny-deepseek": (256, 128, 4, 4, 1024, 16, 8, 64, 61),
 }
+FP8_BLOCK = 128
 
 
 def model_config(shape: str, layers: int) -> PretrainedConfig:
     hidden, ffn, heads, kv_heads, vocab, experts, *_ = SHAPES[shape]
     common = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                   num_hidden_layers=layers, tie_word_embeddings=False, dtype="bfloat16")
+    if shape.endswith("deepseek"):
+        tiny = shape.startswith("tiny")
+        return DeepseekV3Config(
+            **common, n_routed_experts=experts, num_experts_per_tok=8, moe_intermediate_size=ffn, n_shared_experts=1,
+            n_group=8, topk_group=4, first_k_dense_replace=0, intermediate_size=4 * ffn, routed_scaling_factor=2.5,
+            q_lora_rank=128 if tiny else 1536, kv_lora_rank=128 if tiny else 512, qk_nope_head_dim=32 if tiny else 128,
+            qk_rope_head_dim=32 if tiny else 64, v_head_dim=32 if tiny else 128, max_position_embeddings=163840,
+            quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                 "weight_block_size": [FP8_BLOCK, FP8_BLOCK]})
     if experts:
         return Qwen3MoeConfig(**common, head_dim=128, num_experts=experts, num_experts_per_tok=8,
                               moe_intermediate_size=ffn, norm_topk_prob=True, max_position_embeddings=40960,
@@ -75,9 +89,11 @@ def checkpoint_shapes(config: PretrainedConfig) -> dict[str, torch.Size]:
 
 
 def write_checkpoint(folder: Path, config: PretrainedConfig, device: torch.device) -> int:
-    """One shard per decoder layer (and one for the rest), random bf16 made on `device`; returns the bytes."""
+    """One shard per decoder layer (and one for the rest), random bf16 made on `device` (FP8 block-scaled layer
+    projections where the config says quant_method fp8, as DeepSeek ships them); returns the bytes."""
     folder.mkdir(parents=True)
     shapes = checkpoint_shapes(config)
+    fp8 = (getattr(config, "quantization_config", None) or {}).get("quant_method") == "fp8"
     groups: dict[str, list[str]] = {}
     for name in shapes:
         match = re.match(r"model\.layers\.(\d+)\.", name)
@@ -85,10 +101,13 @@ def write_checkpoint(folder: Path, config: PretrainedConfig, device: torch.devic
     weight_map, total, gen = {}, 0, torch.Generator(device).manual_seed(0)
     for i, names in enumerate(groups.values(), 1):
         fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {n: _random(shapes[n], n, gen, device) for n in names}
+        tensors = {}
+        for n in names:
+            tensors |= _random_fp8(shapes[n], n, gen, device) if fp8 and _is_projection(n) else \
+                {n: _random(shapes[n], n, gen, device)}
         save_file(tensors, folder / fname, metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map.update(dict.fromkeys(names, fname))
+        weight_map.update(dict.fromkeys(tensors, fname))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     config.save_pretrained(folder)
@@ -99,6 +118,17 @@ def _random(shape: torch.Size, name: str, gen: torch.Generator, device: torch.de
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16)
     return (torch.randn(shape, generator=gen, device=device) * 0.02).to(torch.bfloat16).cpu()
+
+
+def _is_projection(name: str) -> bool:
+    return name.startswith("model.layers.") and name.endswith("proj.weight")
+
+
+def _random_fp8(shape: torch.Size, name: str, gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+    """Random float8_e4m3fn codes and one scale per 128 x 128 block (values about 0.02, as _random's)."""
+    codes = torch.randn(shape, generator=gen, device=device).to(torch.float8_e4m3fn).cpu()
+    blocks = (-(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK))
+    return {name: codes, f"{name}_scale_inv": torch.full(blocks, 0.02, dtype=torch.float32)}
 
 
 def drop_page_cache() -> bool:
@@ -208,7 +238,7 @@ def main() -> None:
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
         "export_bytes": folder_bytes(output), "disk_free_bytes": shutil.disk_usage(args.work_dir).free,
         "torch": torch.__version__, "act_order": True, "page_cache_dropped": cold,
-        "targets": (90, 32, 60) if experts else (20, 32, 40),
+        "targets": (180, 64, 80) if shape.endswith("deepseek") else (90, 32, 60) if experts else (20, 32, 40),
         **summarize([e["seconds"] for e in report.layers], report.timings, total, args.layers, depth,
                     layer_bytes(output)),
     }

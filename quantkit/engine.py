@@ -44,6 +44,11 @@ from quantkit.quantizers.context import LayerContext, StopForward
 
 log = logging.getLogger("quantkit")
 
+# at most this share of the device's free memory holds a step's statistics (GPTQ's Hessians); the rest is the
+# solves' working copies and the forwards'
+STATISTICS_FRACTION = 0.4
+GUARD_COPIES = 3  # the guard's snapshot, RTN's codes and scales, and their dequantized weights: about 3 layers
+
 
 class _LayerRecorder(nn.Module):
     """Stands in for a decoder layer during capture: records its call and passes hidden states on."""
@@ -170,40 +175,92 @@ class _PhaseTimer:
 def _quantize_step(
     ctx: LayerContext, method: Method, names: list[str], timer: _PhaseTimer
 ) -> dict[str, QuantizedWeight]:
+    """Quantize one sequential step's linears: their statistics, then their solves, a part of the step at a time
+    where the statistics of all of it would not fit (an MoE layer's experts: 256 Hessians of 7168^2 are 52 GB).
+    The parts' results equal the whole step's: the step's linears read inputs none of them writes."""
     linears = {n: ctx.module(n) for n in names}
     experts = ctx.adapter.experts
     quantizers = {n: low_token_guard(method, lin, n, ctx.index) if experts and experts.is_expert_linear(n)
                   else method.linear_quantizer(lin) for n, lin in linears.items()}
     shared = _same_input_sharers(ctx.adapter, quantizers)
-    if method.needs_activations:
-        handles = [
-            lin.register_forward_hook(lambda _m, args, _o, n=n: quantizers[n].add_batch(ctx.real_tokens(args[0])))
-            for n, lin in linears.items() if n not in shared
-        ]
-        try:
-            with timer("forward+statistics"):
-                ctx.run_until(names)  # hooks registered first run first: statistics before the stop
-        finally:
-            for h in handles:
-                h.remove()
-    for sharer, owner in shared.items():
-        quantizers[sharer].take_statistics(quantizers[owner])
-    by_class: dict[type[LinearQuantizer], list[list[str]]] = {}  # groups of names: an owner, then its sharers
-    for owner in (n for n in quantizers if n not in shared):
-        group = [owner, *(sharer for sharer, its_owner in shared.items() if its_owner == owner)]
-        by_class.setdefault(type(quantizers[owner]), []).append(group)
-    results = {}
-    with timer("solve"):
-        for cls, groups in by_class.items():
-            try:
-                solved = cls.quantize_groups([[quantizers[n] for n in group] for group in groups])
-            except QuantizationError as err:
-                raise QuantizationError(f"layer {ctx.index}: {err}") from err
-            for n, qw in zip((n for group in groups for n in group), (r for rs in solved for r in rs), strict=True):
-                quantizers[n].free()
-                linears[n].weight.data.copy_(qw.dequantize(linears[n].weight.dtype))
-                results[n] = qw
+    groups = [[owner, *(sharer for sharer, its_owner in shared.items() if its_owner == owner)]
+              for owner in quantizers if owner not in shared]  # an owner, then the linears taking its statistics
+    results: dict[str, QuantizedWeight] = {}
+    for part in _statistics_parts(groups, quantizers, ctx.device):
+        if method.needs_activations:
+            _gather_statistics(ctx, [group[0] for group in part], linears, quantizers, timer)
+        for group in part:
+            for sharer in group[1:]:
+                quantizers[sharer].take_statistics(quantizers[group[0]])
+        with timer("solve"):
+            results |= _solve(ctx, part, linears, quantizers)
     return {n: results[n] for n in quantizers}
+
+
+def _statistics_parts(groups: list[list[str]], quantizers: dict[str, LinearQuantizer],
+                      device: torch.device) -> list[list[list[str]]]:
+    """The step's groups cut into parts whose statistics fit STATISTICS_FRACTION of the device's free memory."""
+    from quantkit.streaming.hidden import device_available  # quantkit.streaming imports this module
+
+    budget = STATISTICS_FRACTION * device_available(device)
+    parts: list[list[list[str]]] = [[]]
+    used = 0
+    for group in groups:
+        size = quantizers[group[0]].statistics_bytes()
+        if parts[-1] and used + size > budget:
+            parts.append([])
+            used = 0
+        parts[-1].append(group)
+        used += size
+    if len(parts) > 1:
+        log.info("a step's statistics exceed %.1f GiB: gathered and solved in %d parts", budget / 2**30, len(parts))
+    return parts
+
+
+def _gather_statistics(ctx: LayerContext, owners: list[str], linears: dict[str, nn.Module],
+                       quantizers: dict[str, LinearQuantizer], timer: _PhaseTimer) -> None:
+    handles = [linears[n].register_forward_hook(
+        lambda _m, args, _o, n=n: quantizers[n].add_batch(ctx.real_tokens(args[0]))) for n in owners]
+    try:
+        with timer("forward+statistics"):
+            ctx.run_until(owners)  # hooks registered first run first: statistics before the stop
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _solve(ctx: LayerContext, groups: list[list[str]], linears: dict[str, nn.Module],
+           quantizers: dict[str, LinearQuantizer]) -> dict[str, QuantizedWeight]:
+    """Each quantizer class's groups solved together (GPTQ: side by side); the linears then hold their
+    dequantized weights, which later steps' inputs are computed with."""
+    by_class: dict[type[LinearQuantizer], list[list[str]]] = {}
+    for group in groups:
+        by_class.setdefault(type(quantizers[group[0]]), []).append(group)
+    results = {}
+    for cls, members in by_class.items():
+        try:
+            solved = cls.quantize_groups([[quantizers[n] for n in group] for group in members])
+        except QuantizationError as err:
+            raise QuantizationError(f"layer {ctx.index}: {err}") from err
+        for n, qw in zip((n for group in members for n in group), (r for rs in solved for r in rs), strict=True):
+            quantizers[n].free()
+            linears[n].weight.data.copy_(qw.dequantize(linears[n].weight.dtype))
+            results[n] = qw
+    return results
+
+
+def _guard_fits(layer: nn.Module, device: torch.device, index: int) -> bool:
+    """Whether the no-harm guard's copies fit beside the layer: its snapshot, then RTN's weights and their
+    dequantized form (GUARD_COPIES layers' bytes). A DeepSeek-V3 layer is 22.5 GB in bf16: on one 80 GB GPU its
+    guard would not fit; it is skipped, logged and in the report."""
+    from quantkit.streaming.hidden import device_available  # quantkit.streaming imports this module
+
+    need = GUARD_COPIES * sum(t.numel() * t.element_size() for t in layer.state_dict().values())
+    if need <= device_available(device):
+        return True
+    log.warning("layer %d: the no-harm guard needs %.1f GiB beside the layer, more than %s has free: skipped",
+                index, need / 2**30, device)
+    return False
 
 
 def _same_input_sharers(adapter: ArchAdapter, quantizers: dict[str, LinearQuantizer]) -> dict[str, str]:
@@ -293,9 +350,11 @@ def quantize_model(
                 layer.to(device)
             ctx = LayerContext(i, layer, adapter, inputs, _move(layer_kwargs[i], device), masks, device)
             attach_calibration(layer, adapter, ctx, config.moe_all_tokens)
-            original = snapshot(layer) if guarded else None
+            original = snapshot(layer) if guarded and _guard_fits(layer, device, i) else None
             with timer("smooth"):
                 entry: dict = {"layer": i, "smoothing": method.smooth_layer(ctx), "linears": {}}
+            if guarded and original is None:
+                entry["guard"] = "skipped: the layer's copies do not fit"
             results: dict[str, QuantizedWeight] = {}
             for step in adapter.sequential:
                 results.update(_quantize_step(ctx, method, [n for n in step if _has(layer, n)], timer))

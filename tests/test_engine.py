@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import logging
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,37 @@ def test_linears_reading_one_input_share_one_hessian(monkeypatch) -> None:
     assert [3] in solves and [1] in solves
     assert any(len(batch) > 1 and set(batch) == {2} for batch in solves)
     assert any(len(batch) > 1 and set(batch) == {1} for batch in solves)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq-gptq"])
+def test_a_step_gathered_in_parts_gives_the_same_weights(monkeypatch, caplog, method: str) -> None:
+    """Where a step's statistics exceed the budget (an MoE layer's hundreds of Hessians), the step is gathered and
+    solved a part at a time: the same weights, bit for bit."""
+    from test_moe import tiny_moe
+
+    import quantkit.engine
+
+    def quantized(fraction: float) -> dict[str, torch.Tensor]:
+        monkeypatch.setattr(quantkit.engine, "STATISTICS_FRACTION", fraction)
+        model = tiny_moe("qwen3_moe", num_hidden_layers=1)
+        quantize_model(model, get_adapter(model), random_calibration(), QuantConfig(method=method, group_size=32),
+                       device="cpu", show_progress=False)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    whole = quantized(0.4)
+    with caplog.at_level(logging.INFO, logger="quantkit"):
+        parts = quantized(1e-12)  # one group of linears per part
+    assert "gathered and solved in" in caplog.text
+    assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
+
+
+def test_the_guard_is_skipped_and_said_where_its_copies_do_not_fit(monkeypatch, caplog) -> None:
+    import quantkit.streaming.hidden
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(quantkit.streaming.hidden, "device_available", lambda device: 1)
+    with caplog.at_level(logging.WARNING, logger="quantkit"):
+        report = quantize_model(model, get_adapter(model), random_calibration(), QuantConfig(method="gptq",
+                                group_size=32), device="cpu", show_progress=False)
+    assert all(e["guard"] == "skipped: the layer's copies do not fit" for e in report.layers)
+    assert "no-harm guard needs" in caplog.text

@@ -356,6 +356,9 @@ class LowTokenGuard(LinearQuantizer):
     def free(self) -> None:
         self.inner.free()
 
+    def statistics_bytes(self) -> int:
+        return self.inner.statistics_bytes()
+
 
 def low_token_guard(method: Method, linear: nn.Linear, name: str, layer: int) -> LinearQuantizer:
     """The method's quantizer for an expert linear; guarded only where the method calibrates on tokens."""

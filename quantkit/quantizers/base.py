@@ -52,6 +52,10 @@ class LinearQuantizer(ABC):
     def free(self) -> None:  # noqa: B027 - optional hook
         """Release statistics (called after quantize)."""
 
+    def statistics_bytes(self) -> int:
+        """What this quantizer's statistics will occupy on the device (the engine gathers a step in parts that fit)."""
+        return 0
+
     def shares_statistics_with(self, owner: LinearQuantizer) -> bool:
         """Whether this quantizer can take `owner`'s statistics instead of gathering its own, for a linear that
         reads the same input (q/k/v, gate/up): no second accumulation, one copy in memory."""

@@ -490,6 +490,9 @@ class GPTQQuantizer(LinearQuantizer):
         self.H = None
         self.nsamples = 0
 
+    def statistics_bytes(self) -> int:
+        return 4 * self.linear.in_features**2  # fp32 H
+
     def shares_statistics_with(self, owner: LinearQuantizer) -> bool:
         return isinstance(owner, GPTQQuantizer) and owner.linear.in_features == self.linear.in_features
 

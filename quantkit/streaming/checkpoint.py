@@ -92,9 +92,9 @@ class SafetensorsCheckpoint:
     def names(self, prefix: str = "") -> list[str]:
         return [name for name in self.weight_map if name.startswith(prefix)]
 
-    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Copies of the named tensors (FP8 block-scaled weights dequantized to fp32), each shard mapped only while
-        its tensors are copied out."""
+    def read(self, names: list[str], widen_to: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """Copies of the named tensors (FP8 block-scaled weights dequantized into `widen_to`, one at a time: a layer is
+        never held in fp32 for it), each shard mapped only while its tensors are copied out."""
         tensors = self._read_stored(names)
         fp8 = [name for name, tensor in tensors.items() if tensor.dtype in FP8_DTYPES]
         absent = [name for name in fp8 if name + SCALE_SUFFIX not in self.weight_map]
@@ -103,7 +103,7 @@ class SafetensorsCheckpoint:
                                     "only block-scaled FP8 in DeepSeek's form is read")
         scales = self._read_stored([name + SCALE_SUFFIX for name in fp8])
         for name in fp8:
-            tensors[name] = dequantize_fp8_blocks(tensors[name], scales[name + SCALE_SUFFIX], self.fp8_block)
+            tensors[name] = dequantize_fp8_blocks(tensors[name], scales[name + SCALE_SUFFIX], self.fp8_block).to(widen_to)
         return tensors
 
     def _read_stored(self, names: list[str]) -> dict[str, torch.Tensor]:

@@ -157,7 +157,7 @@ class StreamedLayers:
     def _read_layer(self, index: int, names: list[str]) -> dict[str, torch.Tensor]:
         """The layer's tensors by the layer's own names, per-expert ones cut from fused experts where need be."""
         direct = {n: self._on_disk(index, n) for n in names if self._on_disk(index, n) in self.ckpt.weight_map}
-        read = self.ckpt.read(list(direct.values()))
+        read = self.ckpt.read(list(direct.values()), widen_to=self.dtype)
         tensors = {n: read[disk] for n, disk in direct.items()}
         cut = {n: self._fused_source(index, n) for n in names if n not in direct}
         missing = [n for n, source in cut.items() if source is None]
