@@ -173,14 +173,15 @@ def unquantized_linears(model: nn.Module) -> list[str]:
 
 
 def write_metadata(folder: Path, model: nn.Module, tokenizer, config: QuantConfig, fmt_name: str,
-                   torch_dtype: torch.dtype, report: dict | None) -> None:
-    """config.json (with quantization_config), generation config, tokenizer and quantkit.json."""
+                   torch_dtype: torch.dtype, report: dict | None, also_ignored: Collection[str] = ()) -> None:
+    """config.json (with quantization_config), generation config, tokenizer and quantkit.json. `also_ignored`:
+    linears the export carries unquantized beyond the model's own (a streamed checkpoint's unbuilt layers)."""
     hf_config = model.config.to_dict()
     hf_config.pop("quantization_config", None)
     hf_config["dtype"] = hf_config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
     hf_config["use_cache"] = True
     hf_config["quantization_config"] = get_format(fmt_name).quantization_config(
-        config, ignored_modules=unquantized_linears(model))
+        config, ignored_modules=[*unquantized_linears(model), *also_ignored])
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)

@@ -21,7 +21,7 @@ from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.qqq_grids import recover_channel_scales
 from quantkit.streaming.checkpoint import SafetensorsCheckpoint
-from quantkit.streaming.skeleton import large_allocations_mapped, set_tensor
+from quantkit.streaming.skeleton import large_allocations_mapped, set_tensor, unbuilt_layers
 
 
 def _module_keys(names: Iterable[str], marker: str) -> dict[str, list[str]]:
@@ -68,7 +68,10 @@ class ExportReader:
         if adapter is not None:  # per-expert tensors load into the per-expert form quantization wrote
             unfuse_experts(self.model, adapter)
         self.ckpt = SafetensorsCheckpoint(self.folder)
-        self.stored = {checkpoint_name(self.model, k, reverse=True): k for k in self.ckpt.weight_map}  # ours: file's
+        layers = None if adapter is None else (adapter.layers, len(adapter.get_layers(self.model)))
+        unbuilt = set() if layers is None else set(unbuilt_layers(list(self.ckpt.weight_map), *layers))  # MTP
+        self.stored = {checkpoint_name(self.model, k, reverse=True): k for k in self.ckpt.weight_map
+                       if k not in unbuilt}  # ours: the file's
         self.modules = _module_keys(self.stored, self.fmt.marker_tensor)
         self.two_level = self.scheme.act_bits == 8 and _quantkit_method(self.folder) == "qqq"
         names = set(self.model.state_dict(keep_vars=True))

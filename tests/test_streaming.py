@@ -32,6 +32,7 @@ from quantkit.models.loading import is_quantkit_export
 from quantkit.qtensor import QuantizationError
 from quantkit.quantizers.gptq import GPTQOptions
 from quantkit.quantizers.qqq import QQQOptions
+from quantkit.reload import load_quantized
 from quantkit.streaming import open_streamed_model, quantize_streaming
 from quantkit.streaming.skeleton import StreamedLayers
 from quantkit.streaming.workdir import PAUSE_ENV, PAUSE_MARK, work_dir_for
@@ -250,6 +251,67 @@ def test_deepseek_fp8_block_scaled_source_streams_as_its_dequantized_values(tmp_
     fp8, widened = layerwise_scores([tmp_path / "fp8", tmp_path / "widened"], windows, device="cpu",
                                     dtype=torch.float32)["random"]
     assert fp8["nll"] == widened["nll"] and widened["kl"] == 0
+
+
+def _with_mtp_layer(source: Path, folder: Path) -> list[str]:
+    """`source` plus DeepSeek-V3's multi-token-prediction layer as its checkpoints hold it: layer N (the model has
+    0..N-1) with a decoder layer's tensors and its own enorm, hnorm, eh_proj, embeddings and shared head. Returns
+    the names of the added tensors."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir()
+    for other in source.iterdir():
+        (folder / other.name).write_bytes(other.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    depth, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+    config["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    layer0 = {}
+    for shard in source.glob("*.safetensors"):
+        layer0 |= {n: t for n, t in load_file(shard).items() if n.startswith("model.layers.0.")}
+    gen = torch.Generator().manual_seed(5)
+    mtp = {n.replace("model.layers.0.", f"model.layers.{depth}."): t + 0.01 for n, t in layer0.items()}
+    prefix = f"model.layers.{depth}."
+    mtp |= {prefix + "enorm.weight": torch.ones(hidden), prefix + "hnorm.weight": torch.ones(hidden),
+            prefix + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen),
+            prefix + "shared_head.norm.weight": torch.ones(hidden),
+            prefix + "shared_head.head.weight": torch.randn(vocab, hidden, generator=gen),
+            prefix + "embed_tokens.weight": torch.randn(vocab, hidden, generator=gen)}
+    save_file(mtp, folder / "model-mtp.safetensors")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(mtp, "model-mtp.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return sorted(mtp)
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "gptq"])
+def test_deepseek_mtp_layer_is_carried_unquantized_and_left_out_of_the_scheme(tmp_path, single_thread,
+                                                                             fmt: str) -> None:
+    """The layer transformers does not build is copied into the export in its dtype, its linears (not its norms)
+    named in the quantization_config's ignore list; the model's own tensors are those of the export without it."""
+    from safetensors.torch import load_file
+
+    source = _moe_checkpoint(tmp_path / "src", "deepseek_v3")
+    added = _with_mtp_layer(source, tmp_path / "with_mtp")
+    plain, _ = _streamed(source, CONFIGS["gptq"], fmt, tmp_path / "plain")
+    out, _ = _streamed(tmp_path / "with_mtp", CONFIGS["gptq"], fmt, tmp_path / "out")
+    exported = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    expected = {k: v for f in plain.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert set(exported) - set(expected) == set(added)
+    assert all(torch.equal(exported[k], v) for k, v in expected.items())
+    source_mtp = load_file(tmp_path / "with_mtp" / "model-mtp.safetensors")
+    assert all(torch.equal(exported[k], source_mtp[k].half()) for k in added)
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    ignored = set(qconfig["ignore"]) if fmt == "compressed-tensors" else {
+        re.fullmatch(r"-:(.*)\$", key).group(1).replace("\\", "") for key in qconfig["dynamic"]}
+    assert {"model.layers.3.eh_proj", "model.layers.3.mlp.experts.1.gate_proj", "model.layers.3.self_attn.q_a_proj",
+            "model.layers.3.shared_head.head"} <= ignored
+    assert not any("norm" in name for name in ignored)
+    reloaded, _ = load_quantized(out, dtype=torch.float32)
+    reference, _ = load_quantized(plain, dtype=torch.float32)
+    ids = torch.randint(0, 128, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, reference(ids).logits)
 
 
 def test_a_missing_expert_or_a_wrong_index_is_one_line_before_any_work(tmp_path) -> None:

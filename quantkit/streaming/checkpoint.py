@@ -119,6 +119,12 @@ class SafetensorsCheckpoint:
                 tensors.update({k: f.get_tensor(k).clone() for k in keys})
         return tensors
 
+    def stored_spec(self, name: str) -> tuple[str, list[int]]:
+        """The tensor's dtype as its header names it ("BF16", "F8_E4M3", "I64", ...) and its shape, unread."""
+        with safe_open(self.folder / self.weight_map[name], "pt") as f:
+            stored = f.get_slice(name)
+            return stored.get_dtype(), list(stored.get_shape())
+
     def fingerprint(self) -> str:
         """Identifies the source without reading its weights: config and index bytes, each shard's
         name, size and modification time (a rewritten shard changes them)."""

@@ -39,7 +39,7 @@ from quantkit.models.moe import unfuse_experts
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.outputs import apply_umask, check_output_target, replace_atomically
 from quantkit.qtensor import QuantizationError
-from quantkit.streaming.checkpoint import SafetensorsCheckpoint
+from quantkit.streaming.checkpoint import SCALE_SUFFIX, SafetensorsCheckpoint
 from quantkit.streaming.skeleton import (
     StreamedLayers,
     build_skeleton,
@@ -47,6 +47,7 @@ from quantkit.streaming.skeleton import (
     map_large_allocations,
     read_outside_tensor,
     release_outside_layers,
+    unbuilt_layers,
 )
 from quantkit.streaming.workdir import RESUME_INTERVAL_S, WorkDir, pause_between_phases, run_key, work_dir_for
 
@@ -120,14 +121,43 @@ def _export_plan(model: nn.Module, adapter: ArchAdapter, ckpt: SafetensorsCheckp
     order += [(k, n) for sizes in per_layer for k, n in sizes if k not in dense_set]
 
     def load(key: str) -> torch.Tensor:
+        if key not in owner and key not in state:  # a layer the model does not build
+            return cast_dense(ckpt.read([key], widen_to=dtype)[key], dtype)
         if key not in owner:
             return cast_dense(read_outside_tensor(model, ckpt, key), dtype)
         with safe_open(work.layer_file(owner[key]), "pt") as f:
             return f.get_tensor(key)
 
     ours = {adapter.checkpoint_name(k): k for k, _ in order}  # written under the checkpoints' names (Mixtral's)
-    return ([(adapter.checkpoint_name(k), n) for k, n in order], lambda name: specs[ours[name]],
-            lambda name: load(ours[name]))
+    sizes = [(adapter.checkpoint_name(k), n) for k, n in order]
+    unbuilt = unbuilt_layer_tensors(model, adapter, ckpt)
+    if unbuilt:
+        log.info("the export carries %d tensors of layers the model does not build (multi-token prediction), "
+                 "unquantized and left out of its quantization scheme", len(unbuilt))
+    for key in unbuilt:  # already the checkpoint's names
+        stored, shape = ckpt.stored_spec(key)
+        specs[key] = (_INTEGER_DTYPES.get(stored, dtype), shape)
+        ours[key] = key
+        sizes.append((key, math.prod(specs[key][1]) * specs[key][0].itemsize))
+    return sizes, lambda name: specs[ours[name]], lambda name: load(ours[name])
+_INTEGER_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                   "BOOL": torch.bool}
+
+
+def unbuilt_layer_tensors(model: nn.Module, adapter: ArchAdapter, ckpt: SafetensorsCheckpoint) -> list[str]:
+    """The checkpoint's tensors of decoder layers past the model's depth: DeepSeek-V3's multi-token-prediction
+    layer (config.num_nextn_predict_layers; transformers does not build it). The export carries them unquantized in
+    its dtype (FP8 dequantized) and its quantization_config leaves their linears out, as vLLM's MTP drafter, built
+    with the export's quantization scheme, then reads them."""
+    unbuilt = unbuilt_layers(list(ckpt.weight_map), adapter.layers, len(adapter.get_layers(model)))
+    return [name for name in unbuilt if not name.endswith(SCALE_SUFFIX)]
+
+
+def unbuilt_linears(names: list[str]) -> list[str]:
+    """The module names of those tensors' weights that are not norms (the ignore list's entries)."""
+    return [name.removesuffix(".weight") for name in names if name.endswith(".weight") and "norm" not in name]
+
+
 def _settings(config: QuantConfig, fmt_name: str, torch_dtype: torch.dtype, model: nn.Module,
               device: torch.device, batch_size: int) -> dict:
     work_dtype = next(model.parameters()).dtype
@@ -215,7 +245,8 @@ def _write_export(model: PreTrainedModel, adapter: ArchAdapter, ckpt: Safetensor
     folder.mkdir()
     pause_between_phases()
     write_shards(folder, *_export_plan(model, adapter, ckpt, work, torch_dtype))
-    write_metadata(folder, model, tokenizer, config, fmt_name, torch_dtype, report.to_dict())
+    write_metadata(folder, model, tokenizer, config, fmt_name, torch_dtype, report.to_dict(),
+                   also_ignored=unbuilt_linears(unbuilt_layer_tensors(model, adapter, ckpt)))
     pause_between_phases()
     apply_umask(folder)
     work.mark_published()

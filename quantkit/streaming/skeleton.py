@@ -77,6 +77,17 @@ def release_outside_layers(model: PreTrainedModel, adapter: ArchAdapter, ckpt: S
     return_freed_memory()
 
 
+def unbuilt_layers(names: list[str], layers: str, depth: int) -> list[str]:
+    """Those of `names` that belong to decoder layers at or past `depth` under the `layers` module list."""
+    prefix = layers + "."
+
+    def index(name: str) -> int:
+        part = name[len(prefix):].partition(".")[0]
+        return int(part) if part.isdigit() else -1
+
+    return [name for name in names if name.startswith(prefix) and index(name) >= depth]
+
+
 def read_outside_tensor(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, name: str) -> torch.Tensor:
     """Tensor `name` outside the layers, from the model if real, else as load_outside_layers loaded it
     (in the model's dtype) from the checkpoint, under whichever of its tied names the checkpoint uses."""
