@@ -31,11 +31,8 @@ from quantkit.data import CalibrationSet
 from quantkit.layer_guard import guard_layer, snapshot
 from quantkit.models.adapters import ArchAdapter
 from quantkit.models.moe import (
-    attach_calibration,
-    check_experts_quantized,
-    count_routed_tokens,
-    low_token_guard,
-    unfuse_experts,
+    LayerCalibration,
+    layer_calibration,
 )
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError, QuantizedWeight
@@ -173,15 +170,13 @@ class _PhaseTimer:
 
 
 def _quantize_step(
-    ctx: LayerContext, method: Method, names: list[str], timer: _PhaseTimer
+    ctx: LayerContext, method: Method, names: list[str], timer: _PhaseTimer, calibration: LayerCalibration
 ) -> dict[str, QuantizedWeight]:
     """Quantize one sequential step's linears: their statistics, then their solves, a part of the step at a time
     where the statistics of all of it would not fit (an MoE layer's experts: 256 Hessians of 7168^2 are 52 GB).
     The parts' results equal the whole step's: the step's linears read inputs none of them writes."""
     linears = {n: ctx.module(n) for n in names}
-    experts = ctx.adapter.experts
-    quantizers = {n: low_token_guard(method, lin, n, ctx.index) if experts and experts.is_expert_linear(n)
-                  else method.linear_quantizer(lin) for n, lin in linears.items()}
+    quantizers = {n: calibration.quantizer(method, lin, n, ctx.index) for n, lin in linears.items()}
     shared = _same_input_sharers(ctx.adapter, quantizers)
     groups = [[owner, *(sharer for sharer, its_owner in shared.items() if its_owner == owner)]
               for owner in quantizers if owner not in shared]  # an owner, then the linears taking its statistics
@@ -320,7 +315,8 @@ def quantize_model(
     report = QuantReport(scheme=config, calibration_tokens=calib.n_tokens if method.needs_calibration else 0)
     start = time.perf_counter()
     timer = _PhaseTimer(device, report.timings)
-    unfuse_experts(model, adapter)
+    calibration = layer_calibration(adapter, config.moe_all_tokens)
+    calibration.prepare(model)
     layers = adapter.get_layers(model)
     # No batches for a method that reads no calibration data: every per-layer forward is then empty.
     inputs, layer_kwargs, masks = [], [[] for _ in layers], []
@@ -349,7 +345,7 @@ def quantize_model(
                 layer_source.load(i, layer)
                 layer.to(device)
             ctx = LayerContext(i, layer, adapter, inputs, _move(layer_kwargs[i], device), masks, device)
-            attach_calibration(layer, adapter, ctx, config.moe_all_tokens)
+            calibration.attach(layer, ctx)
             original = snapshot(layer) if guarded and _guard_fits(layer, device, i) else None
             with timer("smooth"):
                 entry: dict = {"layer": i, "smoothing": method.smooth_layer(ctx), "linears": {}}
@@ -357,8 +353,8 @@ def quantize_model(
                 entry["guard"] = "skipped: the layer's copies do not fit"
             results: dict[str, QuantizedWeight] = {}
             for step in adapter.sequential:
-                results.update(_quantize_step(ctx, method, [n for n in step if _has(layer, n)], timer))
-            outputs, expert_tokens = _layer_outputs(ctx, store, timer)
+                results.update(_quantize_step(ctx, method, [n for n in step if _has(layer, n)], timer, calibration))
+            outputs, routing = _layer_outputs(ctx, store, timer, calibration)
             if original is not None:
                 with timer("guard"):
                     entry["guard"], fallback = guard_layer(ctx, original, results, outputs, config)
@@ -366,16 +362,15 @@ def quantize_model(
                 if fallback is not None:
                     results = fallback
                     outputs.release()
-                    outputs, expert_tokens = _layer_outputs(ctx, store, timer)
+                    outputs, routing = _layer_outputs(ctx, store, timer, calibration)
             inputs.release()
             inputs = outputs
-            if expert_tokens:
-                entry["expert_tokens"] = expert_tokens
+            entry |= routing
             if not all(torch.isfinite(x).all() for x in inputs):
                 raise QuantizationError(f"layer {i} produced non-finite outputs after quantization")
             _swap_in_quantlinears(layer, results, config.act_bits, device)
             entry["linears"] = {name: qw.info for name, qw in results.items()}
-            check_experts_quantized(layer, adapter, i)
+            calibration.check(layer, i)
             entry["seconds"] = time.perf_counter() - t0
             report.layers.append(entry)
             if on_layer_done is not None:
@@ -393,11 +388,13 @@ def quantize_model(
     return report
 
 
-def _layer_outputs(ctx: LayerContext, store, timer: _PhaseTimer) -> tuple[list[torch.Tensor], dict]:
-    """The layer's outputs per batch (the next layer's inputs) and the tokens its router sent each expert."""
-    with timer("forward (layer outputs)"), count_routed_tokens(ctx.layer, ctx.adapter) as expert_tokens:
+def _layer_outputs(ctx: LayerContext, store, timer: _PhaseTimer,
+                   calibration: LayerCalibration) -> tuple[list[torch.Tensor], dict]:
+    """The layer's outputs per batch (the next layer's inputs) and the report's routing entries (MoE: the tokens
+    its router sent each expert)."""
+    with timer("forward (layer outputs)"), calibration.counting(ctx.layer) as routing:
         outputs = ctx.forward(store.empty())
-    return outputs, expert_tokens
+    return outputs, routing
 
 
 def _swap_in_quantlinears(layer: nn.Module, results: dict[str, QuantizedWeight], act_bits: int,

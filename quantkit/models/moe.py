@@ -1,21 +1,22 @@
 """Mixture-of-experts blocks in per-expert form, so calibration, export and reload see ordinary nn.Linears.
 
 transformers 5 holds a sparse block's experts as fused 3-D parameters (see MoeExperts in adapters.py);
-unfuse_experts() rewrites each such block into an UnfusedMoe: the router as an nn.Linear (never quantized), one
-ExpertMLP per expert with nn.Linear gate_proj / up_proj / down_proj (the names on-disk checkpoints and vLLM's
-loaders use), and the shared expert with its sigmoid gate where the architecture has one. Its forward computes
-what transformers' block computes: softmax over the router logits in fp32, top-k, the top-k weights renormalised
-where the router does it (Mixtral always; Qwen and OLMoE per config.norm_topk_prob), each expert run on exactly
-the tokens routed to it and its output scaled by that token's routing weight. A forward hook on an expert's
-linear therefore sees exactly that expert's tokens.
+unfuse_experts() rewrites each such block into an UnfusedMoe: the router as an nn.Linear (never quantized; DeepSeek's
+router module kept as it is), one ExpertMLP per expert with nn.Linear gate_proj / up_proj / down_proj (the names
+on-disk checkpoints and vLLM's loaders use), and the shared expert with its sigmoid gate where the architecture has
+one. Its forward computes what transformers' block computes: softmax over the router logits in fp32, top-k, the
+top-k weights renormalised where the router does it (Mixtral always; Qwen and OLMoE per config.norm_topk_prob), or
+the architecture's own router's choice (DeepSeek's grouped sigmoid top-k), each expert run on exactly the tokens
+routed to it and its output scaled by that token's routing weight. A forward hook on an expert's linear therefore
+sees exactly that expert's tokens.
 
-During calibration the engine attaches its LayerContext (attach_calibration): the block then sends experts only
-the batch's real (non-padding) tokens, and with `all_tokens` runs every expert on all of them for the statistics
-while the layer's output still follows the routing.
-
-An expert's linear whose statistics come from fewer tokens than its input width (its Hessian is then singular)
-gets LowTokenGuard's policy: GPTQ/QQQ with damp_percent x10, logged; no token at all: RTN, logged. Both are
-recorded as fallbacks in the report.
+The engine's calibration goes through an architecture's LayerCalibration (layer_calibration(adapter)), which for
+MoE models is MoeCalibration: it attaches the engine's LayerContext to each block, which then sends experts only
+the batch's real (non-padding) tokens (with `all_tokens` every expert runs on all of them for the statistics while
+the layer's output still follows the routing); it counts the tokens routed to each expert for the report; and an
+expert's linear whose statistics come from fewer tokens than its input width (its Hessian is then singular) gets
+LowTokenGuard's policy: its method's few_tokens() adjustment (GPTQ/QQQ: damp_percent x10), logged; no token at
+all: RTN, logged. Both are recorded as fallbacks in the report.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import os
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -35,14 +35,12 @@ from quantkit.models.adapters import ArchAdapter, MoeExperts, find_adapter
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.base import LinearQuantizer, Method
-from quantkit.quantizers.gptq import GPTQOptions
 
 if TYPE_CHECKING:
     from quantkit.kernels.common import StackedExperts
 
 log = logging.getLogger("quantkit")
 
-LOW_TOKEN_DAMP_GROWTH = 10.0
 
 
 class _MaskSource(Protocol):
@@ -281,12 +279,6 @@ def check_experts_quantized(layer: nn.Module, adapter: ArchAdapter, index: int) 
                                 f"the {adapter.name} entry's sequential steps do not name them")
 
 
-def attach_calibration(layer: nn.Module, adapter: ArchAdapter, source: _MaskSource, all_tokens: bool) -> None:
-    """The layer's MoE blocks route only source.current_mask's real tokens (when set) to their experts."""
-    for block in moe_blocks(layer, adapter):
-        block._calibration, block.all_tokens = weakref.ref(source), all_tokens
-
-
 @contextmanager
 def count_routed_tokens(layer: nn.Module, adapter: ArchAdapter) -> Iterator[dict[str, list[int]]]:
     """While active, the real tokens routed to each expert, per MoE block name (filled on exit)."""
@@ -340,18 +332,19 @@ class LowTokenGuard(LinearQuantizer):
         return solved
 
     def low_token_policy(self, group: list[LowTokenGuard]) -> str | None:
-        """Raise the group's damping when it saw fewer tokens than its input width (the note for the report);
-        with enough tokens, or none (GPTQ and QQQ then quantize by RTN on their grid and log it), nothing."""
+        """When the group saw fewer tokens than its input width, each quantizer adjusts to it as its method does
+        (LinearQuantizer.few_tokens; GPTQ: 10x the dampening), logged; the note for the report. With enough
+        tokens, or none (GPTQ and QQQ then quantize by RTN on their grid and log it), nothing."""
         threshold = self.linear.in_features
         if not 0 < self.tokens < threshold:
             return None
-        options = self.config.options_as(GPTQOptions)
-        damp = min(0.5, options.damp_percent * LOW_TOKEN_DAMP_GROWTH)
-        log.warning("%s: %d calibration tokens < %d (input width); damp_percent %g",
-                    " + ".join(g.label for g in group), self.tokens, threshold, damp)
-        for guard in group:
-            guard.inner.config = replace(self.config, options=replace(options, damp_percent=damp))
-        return f"damp_percent {damp:g}: {self.tokens} tokens < {threshold}"
+        notes = {guard.inner.few_tokens() for guard in group}
+        note = next(iter(notes - {None}), None)
+        if note is not None:
+            log.warning("%s: %d calibration tokens < %d (input width); %s", " + ".join(g.label for g in group),
+                        self.tokens, threshold, note)
+            note = f"{note}: {self.tokens} tokens < {threshold}"
+        return note
 
     def free(self) -> None:
         self.inner.free()
@@ -360,10 +353,68 @@ class LowTokenGuard(LinearQuantizer):
         return self.inner.statistics_bytes()
 
 
-def low_token_guard(method: Method, linear: nn.Linear, name: str, layer: int) -> LinearQuantizer:
-    """The method's quantizer for an expert linear; guarded only where the method calibrates on tokens."""
-    inner = method.linear_quantizer(linear)
-    return LowTokenGuard(inner, f"layer {layer} {name}") if method.needs_activations else inner
+class LayerCalibration:
+    """What an architecture adds to the calibration of its layers; a dense one adds nothing. The engine calls
+    these hooks and knows nothing of experts (MoeCalibration below)."""
+
+    def prepare(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
+        """Once, before any layer (MoE: the per-expert form)."""
+
+    def attach(self, layer: nn.Module, source: _MaskSource) -> None:  # noqa: B027 - optional hook
+        """The layer is about to be calibrated on `source`'s batches."""
+
+    def quantizer(self, method: Method, linear: nn.Linear, name: str, layer: int) -> LinearQuantizer:
+        return method.linear_quantizer(linear)
+
+    @contextmanager
+    def counting(self, layer: nn.Module) -> Iterator[dict]:
+        """While active, what the report gets of the layer's routing (filled on exit); nothing for a dense one."""
+        yield {}
+
+    def check(self, layer: nn.Module, index: int) -> None:  # noqa: B027 - optional hook
+        """After the layer: nothing the architecture owns was left unquantized."""
+
+
+class MoeCalibration(LayerCalibration):
+    """Mixture of experts: blocks in per-expert form that route only the batch's real tokens (every expert sees all
+    of them with `all_tokens`), the low-token policy on each expert linear's quantizer, the tokens routed to each
+    expert counted for the report, and no expert linear left unquantized."""
+
+    def __init__(self, adapter: ArchAdapter, all_tokens: bool) -> None:
+        assert adapter.experts is not None
+        self.adapter, self.experts, self.all_tokens = adapter, adapter.experts, all_tokens
+
+    def prepare(self, model: nn.Module) -> None:
+        unfuse_experts(model, self.adapter)
+
+    def attach(self, layer: nn.Module, source: _MaskSource) -> None:
+        for block in moe_blocks(layer, self.adapter):
+            block._calibration, block.all_tokens = weakref.ref(source), self.all_tokens
+
+    def quantizer(self, method: Method, linear: nn.Linear, name: str, layer: int) -> LinearQuantizer:
+        """The method's quantizer; an expert linear's guarded where the method calibrates on tokens."""
+        inner = method.linear_quantizer(linear)
+        if not (self.experts.is_expert_linear(name) and method.needs_activations):
+            return inner
+        return LowTokenGuard(inner, f"layer {layer} {name}")
+
+    @contextmanager
+    def counting(self, layer: nn.Module) -> Iterator[dict]:
+        """{"expert_tokens": real tokens routed to each expert, per MoE block name} (a dense layer of an MoE
+        model: nothing)."""
+        report: dict = {}
+        with count_routed_tokens(layer, self.adapter) as counts:
+            yield report
+        if counts:
+            report["expert_tokens"] = counts
+
+    def check(self, layer: nn.Module, index: int) -> None:
+        check_experts_quantized(layer, self.adapter, index)
+
+
+def layer_calibration(adapter: ArchAdapter, all_tokens: bool = False) -> LayerCalibration:
+    """The architecture's calibration context (`all_tokens`: --moe-all-tokens)."""
+    return LayerCalibration() if adapter.experts is None else MoeCalibration(adapter, all_tokens)
 
 
 def checkpoint_name(model: nn.Module, name: str, reverse: bool = False) -> str:

@@ -52,6 +52,11 @@ class LinearQuantizer(ABC):
     def free(self) -> None:  # noqa: B027 - optional hook
         """Release statistics (called after quantize)."""
 
+    def few_tokens(self) -> str | None:
+        """Adjust to statistics from fewer tokens than the input width (an MoE expert's); what was done, for the
+        log and the report, or None where the method needs nothing."""
+        return None
+
     def statistics_bytes(self) -> int:
         """What this quantizer's statistics will occupy on the device (the engine gathers a step in parts that fit)."""
         return 0

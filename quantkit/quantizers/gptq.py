@@ -28,7 +28,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Protocol
 
@@ -43,6 +43,7 @@ from quantkit.quantizers.rtn import RTNOptions, check_finite_weights, find_qpara
 log = logging.getLogger("quantkit")
 
 DAMP_GROWTH = 10.0
+LOW_TOKEN_DAMP_GROWTH = 10.0  # an MoE expert's Hessian from fewer tokens than its width (few_tokens)
 MAX_DAMP_ATTEMPTS = 4  # damp_percent x1, x10, x100, x1000 (0.01 -> up to 10 x mean(diag H))
 
 
@@ -492,6 +493,13 @@ class GPTQQuantizer(LinearQuantizer):
 
     def statistics_bytes(self) -> int:
         return 4 * self.linear.in_features**2  # fp32 H
+
+    def few_tokens(self) -> str:
+        """A Hessian from fewer tokens than its width is singular: LOW_TOKEN_DAMP_GROWTH x the dampening."""
+        options = self.config.options_as(GPTQOptions)
+        damp = min(0.5, options.damp_percent * LOW_TOKEN_DAMP_GROWTH)
+        self.config = replace(self.config, options=replace(options, damp_percent=damp))
+        return f"damp_percent {damp:g}"
 
     def shares_statistics_with(self, owner: LinearQuantizer) -> bool:
         return isinstance(owner, GPTQQuantizer) and owner.linear.in_features == self.linear.in_features
