@@ -164,7 +164,7 @@ def _quantize_block(
         q = quantize_codes(w, scale, zero, config.bits).clamp_(*code_range)
         b.codes[..., i] = q
         b.errors[..., i] = (w - (q - zero) * scale) / b.hinv[:, i, i, None]
-        b.weights[..., i + 1 :].sub_(b.errors[..., i, None] * b.hinv[:, None, i, i + 1 :])
+        b.weights[..., i + 1 :].addcmul_(b.errors[..., i, None], b.hinv[:, None, i, i + 1 :], value=-1)
 
 
 class _BlockLoop:
