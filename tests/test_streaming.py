@@ -459,14 +459,15 @@ def test_full_or_read_only_disk_is_one_line_and_keeps_the_work(sharded, tmp_path
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
-def with_tokenizer(request, tmp_path_factory, smollm2_gguf) -> tuple[Path, int]:
-    """A dense and an MoE checkpoint a real `quantkit quantize` reads (SmolLM2's tokenizer), and its depth."""
+def with_tokenizer(request, tmp_path_factory, smollm2_gguf) -> tuple[Path, int, int]:
+    """A dense and an MoE checkpoint a real `quantkit quantize` reads (SmolLM2's tokenizer), its depth, and the
+    kills its test makes (the MoE one fewer: the suite's time)."""
     from quantkit.models.loading import load_tokenizer
 
     tokenizer, folder = load_tokenizer(str(smollm2_gguf)), tmp_path_factory.mktemp("tok") / request.param
     if request.param == "llama":
-        return _checkpoint(folder, layers=4, vocab=len(tokenizer), tokenizer=tokenizer), 4
-    return _moe_checkpoint(folder, request.param, tokenizer), 3
+        return _checkpoint(folder, layers=4, vocab=len(tokenizer), tokenizer=tokenizer), 4, KILLS
+    return _moe_checkpoint(folder, request.param, tokenizer), 3, 3
 
 
 def _command(source: Path, output: Path) -> list[str]:
@@ -510,15 +511,15 @@ def test_sigkill_at_seeded_moments_then_resume_gives_the_same_bytes(with_tokeniz
     the last kill in the assembly or before the publishing rename); rerun the same command each time.
     The export that finally appears has the uninterrupted run's bytes; no folder is ever at the output
     path before that. Dense and MoE (experts streamed from per-expert tensors)."""
-    source, layers = with_tokenizer
+    source, layers, kills = with_tokenizer
     whole = tmp_path / "whole"
     subprocess.run(_command(source, whole), env=_env(0), check=True, capture_output=True, timeout=120)
     expected = _digest(whole)
     out, rng, logs = tmp_path / "out", random.Random(29), []
-    for kill in range(KILLS):
+    for kill in range(kills):
         left = _pauses_left(out, layers)
         # up to two layers on per kill, the last kill inside the assembly
-        pause = left - rng.randint(0, 1) if kill == KILLS - 1 else rng.randint(1, min(left, 2 * PAUSES_PER_LAYER))
+        pause = left - rng.randint(0, 1) if kill == kills - 1 else rng.randint(1, min(left, 2 * PAUSES_PER_LAYER))
         proc = subprocess.Popen(_command(source, out), env=_env(PAUSE), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
         logs.append(_kill_at_pause(proc, pause, rng.uniform(0, PAUSE)))
