@@ -30,11 +30,11 @@ PHASES = [  # (module, function, label): the innermost one running tags a sample
     ("quantkit.quantizers.context", "LayerContext.run_until", "statistics forward"),
     ("quantkit.quantizers.gptq", "GPTQQuantizer.add_batch", "GPTQ Hessian accumulation"),
     ("quantkit.engine", "_quantize_step", "quantize step (GPTQ: Hessian copy, act-order permutation)"),
-    ("quantkit.quantizers.gptq", "inverse_hessian_factor", "GPTQ inverse Hessian factor"),
+    ("quantkit.quantizers.gptq", "inverse_hessian_factors", "GPTQ inverse Hessian factor"),
     ("quantkit.quantizers.gptq", "_quantize_columns", "GPTQ column loop"),
     ("quantkit.quantizers.context", "LayerContext.forward", "layer outputs forward"),
     ("quantkit.nn.qlinear", "QuantLinear.from_quantized", "QuantLinear packing"),
-    ("quantkit.streaming.run", "_layer_tensors", "layer's export tensors"),
+    ("quantkit.streaming.run", "layer_export_tensors", "layer's export tensors"),
     ("quantkit.streaming.workdir", "WorkDir.save_layer", "work files written"),
     ("quantkit.streaming.skeleton", "StreamedLayers.release", "layer release"),
     ("quantkit.streaming.run", "_write_export", "export assembly"),
@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=4096)
     parser.add_argument("--method", default="gptq")
+    parser.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE shape with this many experts")
     args = parser.parse_args()
     tokenizer = load_tokenizer(str(default_model_path()))
     source = args.dir / f"profile-{args.layers}l"

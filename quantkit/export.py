@@ -18,6 +18,7 @@ from quantkit.config import QuantConfig
 from quantkit.formats import get_format
 from quantkit.formats.base import CheckpointFormat
 from quantkit.models import get_adapter
+from quantkit.models.adapters import ArchAdapter
 from quantkit.models.moe import checkpoint_name
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.outputs import check_free_space, check_output_target, staged_output
@@ -82,14 +83,56 @@ def pack_linear(name: str, qlinear: QuantLinear, fmt: CheckpointFormat, dtype: t
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
 
 
-def build_state_dict(model: nn.Module, fmt_name: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    fmt = get_format(fmt_name)
-    qmodules = quantized_modules(model)
-    state = model.state_dict()
-    tensors = {name: cast_dense(state[name], dtype) for name in dense_tensor_names(model, qmodules)}
-    for name, qlinear in qmodules.items():
-        tensors.update(pack_linear(name, qlinear, fmt, dtype))
+def layer_export_tensors(index: int, layer: nn.Module, adapter: ArchAdapter, fmt: CheckpointFormat,
+                         dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Decoder layer `index`'s export tensors, full names: its non-quantized ones (norms) in state-dict order, then
+    each quantized linear's. The one definition both the whole-model and the streamed export use."""
+    prefix = f"{adapter.layers}.{index}."
+    qlinears = {name: m for name, m in layer.named_modules() if isinstance(m, QuantLinear)}
+    state = layer.state_dict()
+    tensors = {prefix + n: cast_dense(state[n], dtype) for n in dense_tensor_names(layer, qlinears)}
+    for name, qlinear in qlinears.items():
+        tensors.update(pack_linear(prefix + name, qlinear, fmt, dtype))
     return tensors
+
+
+def quantized_linear_names(model: nn.Module, adapter: ArchAdapter) -> set[str]:
+    """Full names of the linears the engine quantizes, known before any layer is loaded (a streamed skeleton)."""
+    names = set()
+    for i, layer in enumerate(adapter.get_layers(model)):
+        modules = dict(layer.named_modules())
+        names.update(f"{adapter.layers}.{i}.{n}" for n in adapter.linear_names()
+                     if isinstance(modules.get(n), nn.Linear | QuantLinear))
+    return names
+
+
+ExportPlan = tuple[list[tuple[str, int]], "TensorSpec", Callable[[str], torch.Tensor]]
+
+
+def export_plan(model: nn.Module, adapter: ArchAdapter, dtype: torch.dtype, layers: list[list[str]],
+                layer_specs: dict[str, tuple[torch.dtype, list[int]]], load_layer: Callable[[str], torch.Tensor],
+                load_outside: Callable[[str], torch.Tensor]) -> ExportPlan:
+    """What an export writes, in its order, for write_shards: the model's non-quantized tensors in state-dict order
+    (tied ones once), then each layer's packed linears in order (`layers`: each layer's layer_export_tensors names,
+    `layer_specs` their dtypes and shapes, `load_layer` one of them); every name as the architecture's checkpoints
+    write it (Mixtral's). The whole-model and the streamed export both write this plan: the same bytes."""
+    state = model.state_dict(keep_vars=True)
+    in_layers = {key for names in layers for key in names}
+    dense = dense_tensor_names(model, quantized_linear_names(model, adapter))
+    specs = dict(layer_specs)
+    for key in dense:
+        if key not in in_layers:
+            specs[key] = (dtype if state[key].is_floating_point() else state[key].dtype, list(state[key].shape))
+    dense_set = set(dense)
+    order = dense + [key for names in layers for key in names if key not in dense_set]
+    ours = {adapter.checkpoint_name(k): k for k in order}
+    sizes = [(adapter.checkpoint_name(k), math.prod(specs[k][1]) * specs[k][0].itemsize) for k in order]
+
+    def load(name: str) -> torch.Tensor:
+        key = ours[name]
+        return load_layer(key) if key in in_layers else load_outside(key)
+
+    return sizes, lambda name: specs[ours[name]], load
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -213,13 +256,19 @@ def export_checkpoint(
         raise QuantizationError("the model has no quantized layers to export")
     torch_dtype = export_dtype(model, dtype)
     warn_on_scale_rounding(config, torch_dtype)
-    tensors = {checkpoint_name(model, k): v for k, v in build_state_dict(model, fmt_name, torch_dtype).items()}
+    adapter = get_adapter(model)
+    per_layer = [layer_export_tensors(i, layer, adapter, fmt, torch_dtype)
+                 for i, layer in enumerate(adapter.get_layers(model))]
+    in_layers = {k: v for tensors in per_layer for k, v in tensors.items()}
+    state = model.state_dict()
+    plan = export_plan(model, adapter, torch_dtype, [list(tensors) for tensors in per_layer],
+                       {k: (v.dtype, list(v.shape)) for k, v in in_layers.items()}, in_layers.__getitem__,
+                       lambda key: cast_dense(state[key], torch_dtype))
     output.parent.mkdir(parents=True, exist_ok=True)
-    check_free_space(output.parent, sum(nbytes(v) for v in tensors.values()), "the export")
+    check_free_space(output.parent, sum(n for _, n in plan[0]), "the export")
     try:
         with staged_output(output) as folder:
-            write_shards(folder, [(k, nbytes(v)) for k, v in tensors.items()],
-                         lambda k: (tensors[k].dtype, list(tensors[k].shape)), tensors.__getitem__)
+            write_shards(folder, *plan)
             write_metadata(folder, model, tokenizer, config, fmt_name, torch_dtype, report)
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT):

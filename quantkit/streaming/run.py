@@ -8,7 +8,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,22 +21,20 @@ from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.engine import QuantReport, quantize_model
 from quantkit.export import (
-    TensorSpec,
+    ExportPlan,
     cast_dense,
-    dense_tensor_names,
     export_dtype,
-    pack_linear,
+    export_plan,
+    layer_export_tensors,
     warn_on_scale_rounding,
     write_metadata,
     write_shards,
 )
 from quantkit.formats import get_format
-from quantkit.formats.base import CheckpointFormat
 from quantkit.models import get_adapter
 from quantkit.models.adapters import ArchAdapter
 from quantkit.models.loading import load_failure
 from quantkit.models.moe import unfuse_experts
-from quantkit.nn.qlinear import QuantLinear
 from quantkit.outputs import apply_umask, check_output_target, replace_atomically
 from quantkit.qtensor import QuantizationError
 from quantkit.streaming.checkpoint import SCALE_SUFFIX, SafetensorsCheckpoint
@@ -80,66 +78,34 @@ def _disk_errors(work: Path) -> Iterator[None]:
                                 f"in {work}, rerun the same command to resume") from err
 
 
-def _layer_tensors(index: int, layer: nn.Module, adapter: ArchAdapter, fmt: CheckpointFormat,
-                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Layer `index`'s export tensors: the non-quantized ones (norms) then each quantized linear's,
-    named and cast exactly as export.build_state_dict names and casts them for the whole model."""
-    prefix = f"{adapter.layers}.{index}."
-    qlinears = {name: m for name, m in layer.named_modules() if isinstance(m, QuantLinear)}
-    state = layer.state_dict()
-    tensors = {prefix + n: cast_dense(state[n], dtype) for n in dense_tensor_names(layer, qlinears)}
-    for name, qlinear in qlinears.items():
-        tensors.update(pack_linear(prefix + name, qlinear, fmt, dtype))
-    return tensors
-
-
-def _quantized_names(model: nn.Module, adapter: ArchAdapter) -> set[str]:
-    """Full names of the linears the engine quantizes, known before any layer is loaded."""
-    names = set()
-    for i, layer in enumerate(adapter.get_layers(model)):
-        modules = dict(layer.named_modules())
-        names.update(f"{adapter.layers}.{i}.{n}" for n in adapter.linear_names()
-                     if isinstance(modules.get(n), nn.Linear | QuantLinear))
-    return names
-
-
 def _export_plan(model: nn.Module, adapter: ArchAdapter, ckpt: SafetensorsCheckpoint, work: WorkDir,
-                 dtype: torch.dtype) -> tuple[list[tuple[str, int]], TensorSpec, Callable[[str], torch.Tensor]]:
-    """The tensor order of the in-memory export (dense tensors in state-dict order, then each quantized
-    linear's), so that both paths cut the same shards; each tensor's dtype and shape; a loader reading
-    one tensor at a time from the work files (or, outside the layers, from the checkpoint)."""
+                 dtype: torch.dtype) -> ExportPlan:
+    """export_plan with each layer's tensors read one at a time from the work files, those outside the layers
+    from the checkpoint, then the tensors of layers the model does not build (unbuilt_layer_tensors)."""
     per_layer = work.tensor_sizes()
     owner = {key: i for i, sizes in enumerate(per_layer) for key, _ in sizes}
-    specs = work.tensor_specs()
-    state = model.state_dict()
-    dense = dense_tensor_names(model, _quantized_names(model, adapter))
-    for key in dense:
-        if key not in owner:
-            specs[key] = (dtype if state[key].is_floating_point() else state[key].dtype, list(state[key].shape))
-    order = [(k, math.prod(specs[k][1]) * specs[k][0].itemsize) for k in dense]
-    dense_set = set(dense)
-    order += [(k, n) for sizes in per_layer for k, n in sizes if k not in dense_set]
 
-    def load(key: str) -> torch.Tensor:
-        if key not in owner and key not in state:  # a layer the model does not build
-            return cast_dense(ckpt.read([key], widen_to=dtype)[key], dtype)
-        if key not in owner:
-            return cast_dense(read_outside_tensor(model, ckpt, key), dtype)
+    def load_layer(key: str) -> torch.Tensor:
         with safe_open(work.layer_file(owner[key]), "pt") as f:
             return f.get_tensor(key)
 
-    ours = {adapter.checkpoint_name(k): k for k, _ in order}  # written under the checkpoints' names (Mixtral's)
-    sizes = [(adapter.checkpoint_name(k), n) for k, n in order]
-    unbuilt = unbuilt_layer_tensors(model, adapter, ckpt)
-    if unbuilt:
-        log.info("the export carries %d tensors of layers the model does not build (multi-token prediction), "
-                 "unquantized and left out of its quantization scheme", len(unbuilt))
-    for key in unbuilt:  # already the checkpoint's names
+    sizes, spec, load = export_plan(model, adapter, dtype, [[k for k, _ in sizes] for sizes in per_layer],
+                                    work.tensor_specs(), load_layer,
+                                    lambda key: cast_dense(read_outside_tensor(model, ckpt, key), dtype))
+    unbuilt = unbuilt_layer_tensors(model, adapter, ckpt)  # already under the checkpoint's names
+    if not unbuilt:
+        return sizes, spec, load
+    log.info("the export carries %d tensors of layers the model does not build (multi-token prediction), "
+             "unquantized and left out of its quantization scheme", len(unbuilt))
+    extra = {}
+    for key in unbuilt:
         stored, shape = ckpt.stored_spec(key)
-        specs[key] = (_INTEGER_DTYPES.get(stored, dtype), shape)
-        ours[key] = key
-        sizes.append((key, math.prod(specs[key][1]) * specs[key][0].itemsize))
-    return sizes, lambda name: specs[ours[name]], lambda name: load(ours[name])
+        extra[key] = (_INTEGER_DTYPES.get(stored, dtype), shape)
+        sizes.append((key, math.prod(shape) * extra[key][0].itemsize))
+    return (sizes, lambda name: extra[name] if name in extra else spec(name),
+            lambda name: cast_dense(ckpt.read([name], widen_to=dtype)[name], dtype) if name in extra else load(name))
+
+
 _INTEGER_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                    "BOOL": torch.bool}
 
@@ -215,7 +181,7 @@ def quantize_streaming(
 
         def on_layer_done(index: int, layer: nn.Module, outputs: list[torch.Tensor], entry: dict) -> None:
             pause_between_phases()
-            work.save_layer(index, _layer_tensors(index, layer, adapter, fmt, torch_dtype), outputs, entry)
+            work.save_layer(index, layer_export_tensors(index, layer, adapter, fmt, torch_dtype), outputs, entry)
 
         try:
             report = quantize_model(model, adapter, calib, config, device=device, batch_size=batch_size,
