@@ -7,6 +7,7 @@
 #   e2e        the Llama-3-8B-shaped model end to end, compiled, with SDPA beside the kernel          (~4 min)
 #   stream70b  streamed GPTQ of a Llama-3-70B-shaped checkpoint, 12 layers (~40 GB of local disk)    (~5 min)
 #   stream235b streamed GPTQ of a Qwen3-235B-A22B-shaped checkpoint, 3 layers (~17 GB of local disk)  (~6 min)
+#   deepseek   streamed GPTQ of a DeepSeek-V3-671B-shaped FP8 checkpoint, 2 layers (~52 GB of disk at peak) (~8 min)
 #   reload70b  a Llama-3-70B-shaped W4A16 export (~37 GB) loaded onto the GPU by quantkit's reload    (~6 min)
 #   layerwise70b  a 70B-shaped original (4 layers) against its export, perplexity and KL layer by layer (~4 min)
 #   quantize   GPTQ and awq-gptq act-order on the Llama-3-8B shape, 128 x 2048 tokens                (~8 min)
@@ -38,6 +39,10 @@ case $part in
     df -h /tmp | tail -1
     timeout 570 python benchmarks/bench_streaming_device.py --shape qwen3-235b-a22b --layers 3 \
       --work-dir /tmp/quantkit-bench-235b --out "$OUT/stream235b" ;;
+  deepseek)
+    df -h /tmp | tail -1
+    timeout 570 python benchmarks/bench_streaming_device.py --shape deepseek --layers 2 \
+      --work-dir /tmp/quantkit-bench-deepseek --out "$OUT/deepseek" ;;
   layerwise70b)
     timeout 570 python benchmarks/bench_layerwise_device.py --layers 4 --out "$OUT/layerwise70b" ;;
   reload70b)
@@ -53,5 +58,5 @@ case $part in
     done ;;
   moe)
     timeout 560 python benchmarks/bench_moe.py --out "$OUT/moe" ;;
-  *) echo "unknown part $part: check, w4a16, w4a8, e2e, stream70b, stream235b, reload70b, layerwise70b, quantize or moe" >&2; exit 2 ;;
+  *) echo "unknown part $part: check, w4a16, w4a8, e2e, stream70b, stream235b, deepseek, reload70b, layerwise70b, quantize or moe" >&2; exit 2 ;;
 esac
