@@ -196,10 +196,10 @@ def test_linears_reading_one_input_share_one_hessian(monkeypatch) -> None:
     by_name = {weight_names[i]: h for i, h in solved.items() if i in weight_names}
     assert by_name["self_attn.k_proj"] is by_name["self_attn.q_proj"] is by_name["self_attn.v_proj"]
     assert by_name["mlp.experts.1.up_proj"] is by_name["mlp.experts.1.gate_proj"]
-    # one solve of q/k/v's rows, one of o; the calibrated experts side by side: their gate/up stacks, their downs
-    assert [3] in solves and [1] in solves
-    assert any(len(batch) > 1 and set(batch) == {2} for batch in solves)
-    assert any(len(batch) > 1 and set(batch) == {1} for batch in solves)
+    # on the CPU each weight is a problem of its own (on a GPU a group's rows are one: gptq_quantize's tests), and
+    # problems of one shape go side by side: the calibrated experts' gate, up and down projections
+    assert all(set(batch) == {1} for batch in solves)
+    assert sum(len(batch) > 1 for batch in solves) >= 3
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq-gptq"])

@@ -305,6 +305,17 @@ def gptq_quantize(
     return gptq_solve([SharedInput([weight], hessian, grid)], config)[0][0]
 
 
+def _stacked_weights(problems: list[SharedInput], rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """[E, rows, cols]: each problem's weights stacked. A function of its own so that no loop variable keeps a view
+    of it alive after act-order replaces it with its permuted copy (a weight's worth of host memory at the peak)."""
+    first = problems[0].weights[0]
+    W = first.new_empty(len(problems), rows, first.shape[1], dtype=dtype)
+    for stacked, problem in zip(W, problems, strict=True):
+        for part, weight in zip(stacked.split([w.shape[0] for w in problem.weights]), problem.weights, strict=True):
+            part.copy_(weight.detach())
+    return W
+
+
 def gptq_solve(problems: list[SharedInput], config: QuantConfig) -> list[list[QuantizedWeight]]:
     """GPTQ of problems of one shape (the same weight shapes; an MoE layer's experts) side by side: one batched
     factorisation and one column loop for all of them. On a GPU the loop's kernel launches, not its arithmetic,
@@ -315,10 +326,7 @@ def gptq_solve(problems: list[SharedInput], config: QuantConfig) -> list[list[Qu
     dtype = torch.promote_types(first[0].dtype, torch.float32)
     sizes, cols, count = [w.shape[0] for w in first], first[0].shape[1], len(problems)
     rows = sum(sizes)
-    W = first[0].new_empty(count, rows, cols, dtype=dtype)
-    for stacked, problem in zip(W, problems, strict=True):
-        for part, weight in zip(stacked.split(sizes), problem.weights, strict=True):
-            part.copy_(weight.detach())
+    W = _stacked_weights(problems, rows, dtype)
     group = check_group_size(cols, config.group_size)
     diagonals = torch.stack([p.hessian.diagonal() for p in problems]).to(W.device, dtype)
     dead = diagonals == 0
@@ -328,26 +336,37 @@ def gptq_solve(problems: list[SharedInput], config: QuantConfig) -> list[list[Qu
     grids = [p.grid for p in problems]
     static = options.act_order or group == cols or grids[0] is not None
     shape = (count, rows, cols // group, group)
+    channel_scales: list[torch.Tensor | None] = [None] * count  # two-level grids' (QQQ), set by their qparams
     if grids[0] is not None:
-        found = [grid.qparams(w.view(*shape[1:])) for grid, w in zip(grids, W, strict=True)]
+        found = []
+        for e, (grid, w) in enumerate(zip(grids, W, strict=True)):  # problems may share one grid object
+            found.append(grid.qparams(w.view(*shape[1:])))
+            channel_scales[e] = getattr(grid, "channel_scales", None)
         scales, zeros = torch.stack([s for s, _ in found]), torch.stack([z for _, z in found])
     elif static:
         scales, zeros = find_qparams(W.view(shape), config.bits, config.sym, options.mse, config.scale_torch_dtype)
     else:
         scales, zeros = W.new_empty(shape[:3]), W.new_empty(shape[:3])
-    channel_scales = [getattr(grid, "channel_scales", None) for grid in grids]  # two-level grids' (QQQ)
     order = torch.arange(cols, device=W.device).expand(count, cols)
     if options.act_order:
         order = torch.argsort(diagonals.masked_fill(dead, 1), dim=-1, descending=True, stable=True)
         W = W.take_along_dim(order[:, None, :], -1)
 
+    def working_hessian(e: int) -> torch.Tensor:
+        """A copy of problem e's H in the work dtype, act-order applied, dead inputs' diagonal set to 1."""
+        hessian = problems[e].hessian.to(W.device, dtype)
+        work = permute_symmetric(hessian, order[e]) if options.act_order else hessian.clone()
+        work.diagonal()[dead[e, order[e]]] = 1  # order is the identity without act-order
+        return work
+
     def working_hessians(members: list[int]) -> torch.Tensor:
-        """Copies of the members' H in the work dtype, act-order applied, dead inputs' diagonal set to 1."""
+        """The members' working copies [len(members), n, n]; one member's is its own buffer (no second copy:
+        beside the quantizer's H it is the peak of a streamed run on a CPU)."""
+        if len(members) == 1:
+            return working_hessian(members[0])[None]
         work = W.new_empty(len(members), cols, cols)
         for k, e in enumerate(members):
-            hessian = problems[e].hessian.to(W.device, dtype)
-            work[k] = permute_symmetric(hessian, order[e]) if options.act_order else hessian
-            work[k].diagonal()[dead[e, order[e]]] = 1  # order is the identity without act-order
+            work[k] = working_hessian(e)
         return work
 
     labels = [layer_label(p.weights[0]) for p in problems]
@@ -402,13 +421,24 @@ def _tf32_matmul(enabled: bool) -> Iterator[None]:
 GPTQ_BATCH_BYTES = {"cuda": 4 << 30, "cpu": 64 << 20}
 
 
-def _chunks(members: list[int], groups: list[list[LinearQuantizer]]) -> Iterator[list[int]]:
-    """`members` cut into runs whose solve fits GPTQ_BATCH_BYTES (one problem at least)."""
-    rows = sum(q.linear.out_features for q in groups[0])
-    cols = groups[0][0].linear.in_features
+def _problems(group: list[LinearQuantizer]) -> list[list[int]]:
+    """The group's weights (by position) solved as one problem each. On a GPU the whole group is one stack of rows
+    (its column loop's launches are the cost); on a CPU each weight is solved alone, the same result with the column
+    loop's buffers of one weight (host memory is what streaming bounds)."""
+    assert isinstance(group[0], GPTQQuantizer) and group[0].H is not None
+    if group[0].H.device.type == "cpu":
+        return [[m] for m in range(len(group))]
+    return [list(range(len(group)))]
+
+
+def _chunks(members: list[tuple[int, list[int]]], groups: list[list[LinearQuantizer]]) -> Iterator[list[tuple]]:
+    """`members` (group, weight positions) cut into runs whose solve fits GPTQ_BATCH_BYTES (one problem at least)."""
+    first, part = members[0]
+    rows = sum(groups[first][m].linear.out_features for m in part)
+    cols = groups[first][0].linear.in_features
     per_problem = 4 * (3 * rows * cols + 2 * cols * cols)  # fp32: weights, permuted copy, block buffers; H copies
-    budget = GPTQ_BATCH_BYTES.get(groups[0][0].H.device.type, GPTQ_BATCH_BYTES["cuda"])
-    size = max(1, budget // per_problem)
+    device = groups[first][0].linear.weight.device.type
+    size = max(1, GPTQ_BATCH_BYTES.get(device, GPTQ_BATCH_BYTES["cuda"]) // per_problem)
     for start in range(0, len(members), size):
         yield members[start : start + size]
 
@@ -459,17 +489,20 @@ class GPTQQuantizer(LinearQuantizer):
                 results[i] = solved
                 continue
             owner.prepare()
-            key = (type(owner), owner.config, tuple(q.linear.weight.shape for q in group), owner.H.device,
-                   owner.grid is None)
-            batches.setdefault(key, []).append(i)
+            results[i] = [None] * len(group)  # type: ignore[list-item]
+            for part in _problems(group):
+                key = (type(owner), owner.config, tuple(group[m].linear.weight.shape for m in part), owner.H.device,
+                       owner.grid is None)
+                batches.setdefault(key, []).append((i, part))
         for members in batches.values():
-            for chunk in _chunks(members, [groups[i] for i in members]):
-                problems = [SharedInput([q.linear.weight for q in groups[i]], groups[i][0].H, groups[i][0].grid)
-                            for i in chunk]
-                for i, solved in zip(chunk, gptq_solve(problems, groups[chunk[0]][0].config), strict=True):
-                    for result in solved:
+            for chunk in _chunks(members, groups):
+                problems = [SharedInput([groups[i][m].linear.weight for m in part], groups[i][0].H, groups[i][0].grid)
+                            for i, part in chunk]
+                config = groups[chunk[0][0]][0].config
+                for (i, part), solved in zip(chunk, gptq_solve(problems, config), strict=True):
+                    for m, result in zip(part, solved, strict=True):
                         result.info["nsamples"] = groups[i][0].nsamples
-                    results[i] = solved
+                        results[i][m] = result
         return [results[i] for i in range(len(groups))]
 
     def _without_statistics(self, group: list[LinearQuantizer]) -> list[QuantizedWeight] | None:
