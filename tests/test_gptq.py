@@ -202,7 +202,7 @@ def test_problems_solved_side_by_side_are_each_solved_alone(options):
 
 @pytest.mark.parametrize("method", ["awq-gptq", "qqq"])
 def test_sharing_quantizers_solve_together_as_alone(method):
-    """The methods with their own grids (Hessian-weighted ranges; QQQ's two-level scales) through quantize_with."""
+    """The methods with their own grids (Hessian-weighted ranges; QQQ's two-level scales) through quantize_groups."""
     x = make_inputs(128, 200, seed=7)
     config = QuantConfig(method=method, group_size=32, bits=4, sym=method == "qqq")
     linears = [make_layer(128, rows, seed=rows) for rows in (32, 64)]

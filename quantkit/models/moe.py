@@ -26,7 +26,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
@@ -320,8 +320,8 @@ class LowTokenGuard(LinearQuantizer):
     def quantize_groups(cls, groups: list[list[LinearQuantizer]]) -> list[list[QuantizedWeight]]:
         """A group's sharers took its owner's statistics, token count included: one policy per group, then the
         inner quantizers' groups are solved together as their method does (GPTQ: experts side by side)."""
-        guards = [[g for g in group if isinstance(g, LowTokenGuard)] for group in groups]
-        assert all(len(g) == len(group) for g, group in zip(guards, groups, strict=True))
+        assert all(isinstance(g, LowTokenGuard) for group in groups for g in group)  # shares_statistics_with
+        guards = cast(list[list[LowTokenGuard]], groups)
         notes = [group[0].low_token_policy(group) for group in guards]
         solved = type(guards[0][0].inner).quantize_groups([[g.inner for g in group] for group in guards])
         for group, results, note in zip(guards, solved, notes, strict=True):

@@ -79,9 +79,9 @@ def _disk_errors(work: Path) -> Iterator[None]:
 
 
 def _export_plan(model: nn.Module, adapter: ArchAdapter, ckpt: SafetensorsCheckpoint, work: WorkDir,
-                 dtype: torch.dtype) -> ExportPlan:
+                 dtype: torch.dtype, unbuilt: list[str]) -> ExportPlan:
     """export_plan with each layer's tensors read one at a time from the work files, those outside the layers
-    from the checkpoint, then the tensors of layers the model does not build (unbuilt_layer_tensors)."""
+    from the checkpoint, then `unbuilt` (unbuilt_layer_tensors: already under the checkpoint's names)."""
     per_layer = work.tensor_sizes()
     owner = {key: i for i, sizes in enumerate(per_layer) for key, _ in sizes}
 
@@ -92,7 +92,6 @@ def _export_plan(model: nn.Module, adapter: ArchAdapter, ckpt: SafetensorsCheckp
     sizes, spec, load = export_plan(model, adapter, dtype, [[k for k, _ in sizes] for sizes in per_layer],
                                     work.tensor_specs(), load_layer,
                                     lambda key: cast_dense(read_outside_tensor(model, ckpt, key), dtype))
-    unbuilt = unbuilt_layer_tensors(model, adapter, ckpt)  # already under the checkpoint's names
     if not unbuilt:
         return sizes, spec, load
     log.info("the export carries %d tensors of layers the model does not build (multi-token prediction), "
@@ -210,9 +209,10 @@ def _write_export(model: PreTrainedModel, adapter: ArchAdapter, ckpt: Safetensor
         shutil.rmtree(folder)
     folder.mkdir()
     pause_between_phases()
-    write_shards(folder, *_export_plan(model, adapter, ckpt, work, torch_dtype))
+    unbuilt = unbuilt_layer_tensors(model, adapter, ckpt)
+    write_shards(folder, *_export_plan(model, adapter, ckpt, work, torch_dtype, unbuilt))
     write_metadata(folder, model, tokenizer, config, fmt_name, torch_dtype, report.to_dict(),
-                   also_ignored=unbuilt_linears(unbuilt_layer_tensors(model, adapter, ckpt)))
+                   also_ignored=unbuilt_linears(unbuilt))
     pause_between_phases()
     apply_umask(folder)
     work.mark_published()
