@@ -130,9 +130,9 @@ def capture_layer_inputs(
 
 
 class LayerSource(Protocol):
-    """Where a decoder layer's weights come from: loaded before its step, released after it."""
+    """Where a decoder layer's weights come from: loaded onto the work device before its step, released after it."""
 
-    def load(self, index: int, layer: nn.Module) -> None: ...
+    def load(self, index: int, layer: nn.Module, device: torch.device) -> None: ...
 
     def release(self, index: int, layer: nn.Module) -> None: ...
 
@@ -140,8 +140,8 @@ class LayerSource(Protocol):
 class _ResidentLayers:
     """The in-memory path: every layer is already loaded and stays in the model."""
 
-    def load(self, index: int, layer: nn.Module) -> None:
-        pass
+    def load(self, index: int, layer: nn.Module, device: torch.device) -> None:
+        layer.to(device)
 
     def release(self, index: int, layer: nn.Module) -> None:
         layer.to("cpu")
@@ -342,8 +342,7 @@ def quantize_model(
                 continue
             t0 = time.perf_counter()
             with timer("transfer"):
-                layer_source.load(i, layer)
-                layer.to(device)
+                layer_source.load(i, layer, device)
             ctx = LayerContext(i, layer, adapter, inputs, _move(layer_kwargs[i], device), masks, device)
             calibration.attach(layer, ctx)
             original = snapshot(layer) if guarded and _guard_fits(layer, device, i) else None

@@ -159,3 +159,13 @@ def test_a_reloaded_qqq_export_runs_the_two_level_w4a8_kernels(tmp_path) -> None
     report = quantize_model(awq, get_adapter(awq), CalibrationSet(ids, torch.ones_like(ids)),
                             QuantConfig(method="awq", group_size=32), device="cuda", show_progress=False)
     assert all("output_error" in layer["guard"] for layer in report.layers)
+
+
+def test_fp8_block_scaled_weights_widen_on_the_gpu_to_the_cpu_bytes() -> None:
+    """A streamed FP8 layer is widened on its work device: the same bf16 bytes as the host's widening."""
+    from quantkit.streaming.checkpoint import BlockScaledFp8
+
+    generator = torch.Generator().manual_seed(0)
+    codes = (torch.randn(300, 520, generator=generator) * 4).to(torch.float8_e4m3fn)
+    weight = BlockScaledFp8(codes, torch.rand(3, 5, generator=generator) + 0.1, (128, 128))
+    assert torch.equal(weight.widen(torch.bfloat16, "cuda").cpu(), weight.widen(torch.bfloat16))

@@ -68,7 +68,7 @@ def test_layerwise_scores_are_the_whole_models_scores(tmp_path, kind: str, monke
     live: list[int] = []
     original_load = StreamedLayers.load
     monkeypatch.setattr(StreamedLayers, "load",
-                        lambda self, i, layer: (original_load(self, i, layer), live.append(self.live))[0])
+                        lambda self, i, layer, device: (original_load(self, i, layer, device), live.append(self.live))[0])
     texts = {"text": TEXT, "other": OTHER}  # both in one pass through each model
     per_text = layerwise_perplexity([source, export], CharTokenizer(), texts, seqlen=64, max_windows=6,
                                     batch_size=4, device="cpu", dtype=torch.float32)

@@ -139,8 +139,8 @@ class _Crash(Exception):
 class _CountingLayers(StreamedLayers):
     """Also counts how many layers hold real weights, seen from the module tree itself."""
 
-    def load(self, index, layer) -> None:
-        super().load(index, layer)
+    def load(self, index, layer, device) -> None:
+        super().load(index, layer, device)
         real = [m for m in get_adapter("llama").get_layers(self.model) if not next(m.parameters()).is_meta]
         self.peak_seen = max(getattr(self, "peak_seen", 0), len(real))
 
@@ -370,10 +370,10 @@ class _CrashAfter(StreamedLayers):
         super().__init__(*args)
         self.crash_at = crash_at
 
-    def load(self, index, layer) -> None:
+    def load(self, index, layer, device) -> None:
         if index == self.crash_at:
             raise _Crash
-        super().load(index, layer)
+        super().load(index, layer, device)
 
 
 def _crash_at(source: Path, output: Path, config: QuantConfig, layer: int, resume_interval: float = 0) -> None:

@@ -54,9 +54,9 @@ class _Model:
         """Layer `index` on the device for the duration, then back on the meta device."""
         if self.reader is not None:
             self.reader.materialize(self.device, within=f"{self.adapter.layers}.{index}.")
+            layer.to(self.device)
         else:
-            self.layers.load(index, layer)
-        layer.to(self.device)
+            self.layers.load(index, layer, self.device)
         try:
             yield layer
         finally:

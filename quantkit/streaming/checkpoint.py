@@ -5,7 +5,8 @@ them again, so the mapped pages of other layers never count towards the process'
 
 FP8 sources in DeepSeek's form (DeepSeek-V3/R1, Kimi-K2: float8_e4m3fn weights, each with a `weight_scale_inv` of one
 fp32 factor per 128 x 128 block, config.json's quantization_config.weight_block_size) are dequantized to fp32 as each
-weight is read: nothing but the tensors at hand is ever held in a wider dtype.
+weight is read, or (a streamed layer: `read_stored`) kept as codes and scales until the layer is placed on its work
+device and widened there: nothing but the tensors at hand is ever held in a wider dtype.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +37,21 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
                                 f"{block[0]} x {block[1]} block (config.json's weight_block_size)")
     factors = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return weight.float() * factors
+
+
+@dataclass
+class BlockScaledFp8:
+    """An FP8 weight as stored, with its block scales: widened where it is used."""
+
+    codes: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int]
+
+    def widen(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        return dequantize_fp8_blocks(self.codes.to(device), self.scale_inv.to(device), self.block).to(dtype)
+
+
+StoredTensor = torch.Tensor | BlockScaledFp8
 
 
 def streamable_reason(source: str | None, trust_remote_code: bool) -> str | None:
@@ -93,9 +110,15 @@ class SafetensorsCheckpoint:
         return [name for name in self.weight_map if name.startswith(prefix)]
 
     def read(self, names: list[str], widen_to: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """Copies of the named tensors (FP8 block-scaled weights dequantized into `widen_to`, one at a time: a layer is
-        never held in fp32 for it), each shard mapped only while its tensors are copied out."""
-        tensors = self._read_stored(names)
+        """Copies of the named tensors, FP8 block-scaled weights dequantized into `widen_to` on the host one at a time
+        (a layer is never held in fp32 for it)."""
+        return {name: value.widen(widen_to) if isinstance(value, BlockScaledFp8) else value
+                for name, value in self.read_stored(names).items()}
+
+    def read_stored(self, names: list[str]) -> dict[str, StoredTensor]:
+        """Copies of the named tensors as stored, FP8 block-scaled weights with their scales, each shard mapped only
+        while its tensors are copied out."""
+        tensors: dict[str, StoredTensor] = dict(self._read_stored(names))
         fp8 = [name for name, tensor in tensors.items() if tensor.dtype in FP8_DTYPES]
         absent = [name for name in fp8 if name + SCALE_SUFFIX not in self.weight_map]
         if absent:
@@ -103,7 +126,7 @@ class SafetensorsCheckpoint:
                                     "only block-scaled FP8 in DeepSeek's form is read")
         scales = self._read_stored([name + SCALE_SUFFIX for name in fp8])
         for name in fp8:
-            tensors[name] = dequantize_fp8_blocks(tensors[name], scales[name + SCALE_SUFFIX], self.fp8_block).to(widen_to)
+            tensors[name] = BlockScaledFp8(tensors[name], scales[name + SCALE_SUFFIX], self.fp8_block)
         return tensors
 
     def _read_stored(self, names: list[str]) -> dict[str, torch.Tensor]:

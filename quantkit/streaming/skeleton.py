@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from quantkit.models.adapters import ArchAdapter
 from quantkit.qtensor import QuantizationError
-from quantkit.streaming.checkpoint import SafetensorsCheckpoint
+from quantkit.streaming.checkpoint import BlockScaledFp8, SafetensorsCheckpoint, StoredTensor
 
 log = logging.getLogger("quantkit")
 
@@ -114,14 +114,17 @@ class StreamedLayers:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-prefetch")
         self._prefetched: tuple[int, Future] | None = None
 
-    def load(self, index: int, layer: nn.Module) -> None:
+    def load(self, index: int, layer: nn.Module, device: torch.device) -> None:
+        """Layer `index` onto `device`, straight from the tensors read (FP8 sources widened there)."""
         names = list(layer.state_dict(keep_vars=True))
         tensors = self._read(index, names)
         self._prefetch(index + 1, names)
-        layer.to_empty(device="cpu")
+        layer.to_empty(device=device)
         with torch.no_grad():
             for name, tensor in layer.state_dict(keep_vars=True).items():
-                tensor.copy_(tensors.pop(name))  # copy_ casts as from_pretrained(dtype=...) does
+                value = tensors.pop(name)
+                # copy_ casts as from_pretrained(dtype=...) does
+                tensor.copy_(value.widen(self.dtype, device) if isinstance(value, BlockScaledFp8) else value)
         self.live += 1
         self.peak_live = max(self.peak_live, self.live)
 
@@ -165,10 +168,11 @@ class StreamedLayers:
     def _available(self, index: int, name: str) -> bool:
         return self._on_disk(index, name) in self.ckpt.weight_map or self._fused_source(index, name) is not None
 
-    def _read_layer(self, index: int, names: list[str]) -> dict[str, torch.Tensor]:
-        """The layer's tensors by the layer's own names, per-expert ones cut from fused experts where need be."""
+    def _read_layer(self, index: int, names: list[str]) -> dict[str, StoredTensor]:
+        """The layer's tensors by the layer's own names as stored (FP8 ones are widened on the work device), per-expert
+        ones cut from fused experts where need be."""
         direct = {n: self._on_disk(index, n) for n in names if self._on_disk(index, n) in self.ckpt.weight_map}
-        read = self.ckpt.read(list(direct.values()), widen_to=self.dtype)
+        read = self.ckpt.read_stored(list(direct.values()))
         tensors = {n: read[disk] for n, disk in direct.items()}
         cut = {n: self._fused_source(index, n) for n in names if n not in direct}
         missing = [n for n, source in cut.items() if source is None]
@@ -180,7 +184,7 @@ class StreamedLayers:
             tensors[name] = fused[key][expert] if half is None else fused[key][expert].chunk(2, dim=0)[half]
         return tensors
 
-    def _read(self, index: int, names: list[str]) -> dict[str, torch.Tensor]:
+    def _read(self, index: int, names: list[str]) -> dict[str, StoredTensor]:
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None and prefetched[0] == index:
             return prefetched[1].result()
