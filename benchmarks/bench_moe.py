@@ -4,8 +4,8 @@
     python benchmarks/bench_moe.py --tiny --out /tmp/moe   # CPU: Triton's interpreter, a tiny shape, no timings worth reading
 
 A cell is one MoE layer's experts (gate/up, SiLU, down, weighted sum over the top-k slots) on `tokens` tokens,
-Qwen3-30B-A3B's (128 experts, top-8, hidden 2048, moe_intermediate 768) or Mixtral-8x7B's (8 experts, top-2,
-hidden 4096, intermediate 14336), int4 g128 symmetric, fp16 activations. Timed, each the median replay of one CUDA
+Qwen3-30B-A3B's (128 experts, top-8, hidden 2048, moe_intermediate 768), Mixtral-8x7B's (8 experts, top-2,
+hidden 4096, intermediate 14336) or DeepSeek-V3's (256 routed experts, top-8, hidden 7168, moe_intermediate 2048), int4 g128 symmetric, fp16 activations. Timed, each the median replay of one CUDA
 graph of CALLS calls, each on its own random routing and input (the layer's packed experts are larger than L2, so
 a call seldom finds its experts cached), divided by CALLS:
   grouped        moe_w4a16_forward: token alignment + 2 grouped launches + SiLU, K unsplit; the best of a few
@@ -16,7 +16,8 @@ a call seldom finds its experts cached), divided by CALLS:
                  scales; per-token int8 activations), its configs at the rule's split;
   dequant_loop   per routed expert: dequantize (kernels.w4a16.dequantize) + cuBLAS, gate/up then down;
   fp16_loop      per routed expert: F.linear on the fp16 experts (the dequantized weights);
-  grouped_mm     torch._grouped_mm on the fp16 experts, where this torch and GPU have it;
+  grouped_mm     torch._grouped_mm on the experts in bf16 (one CUTLASS launch per projection; the grouped 16-bit
+                 baseline), rows sorted by expert in the call, where this torch and GPU have it;
   vllm           vLLM's fused_experts (Triton fused_moe) on the fp16 experts, where vllm is importable.
 The loops get each call's routing split per expert on the host beforehand (no routing cost in their time). Every
 method's output is checked first against a float32 reference: the per-expert loop in fp32 on the same weights (for
@@ -60,7 +61,8 @@ class MoeShape:
     inter: int
 
 
-SHAPES = {"Qwen3-30B-A3B": MoeShape(128, 8, 2048, 768), "Mixtral-8x7B": MoeShape(8, 2, 4096, 14336)}
+SHAPES = {"Qwen3-30B-A3B": MoeShape(128, 8, 2048, 768), "Mixtral-8x7B": MoeShape(8, 2, 4096, 14336),
+          "DeepSeek-V3": MoeShape(256, 8, 7168, 2048)}
 TOKENS = (1, 16, 64, 256)
 TINY_SHAPES, TINY_TOKENS = {"tiny": MoeShape(4, 2, 64, 128)}, (1, 5)  # down: two K tiles of 64 to split
 CALLS = 8
@@ -78,6 +80,7 @@ class Layer:
     gate_up_w: torch.Tensor
     down_w: torch.Tensor
     w4a8: tuple[StackedExperts, StackedExperts]
+    bf16: tuple[torch.Tensor, torch.Tensor] | None = None  # for torch._grouped_mm, made on first use
 
 
 def random_stacked(experts: int, k: int, n: int, group: int, device: str) -> StackedExperts:
@@ -157,9 +160,12 @@ def method_calls(layer: Layer, x: torch.Tensor, ids: torch.Tensor, weights: torc
 
 def grouped_mm_call(layer: Layer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                     ) -> Callable[[], torch.Tensor]:
-    """torch._grouped_mm over the rows sorted by expert (its B operand [E, K, N] as the transpose of [E, N, K])."""
+    """torch._grouped_mm over the rows sorted by expert, in bf16 (its one-launch CUTLASS path: other dtypes fall back
+    to a loop over groups that reads the offsets on the host), its B operand [E, K, N] as the transpose of [E, N, K]."""
     tokens, top_k = ids.shape
     experts = layer.gate_up_w.shape[0]
+    gate_up_w, down_w = bf16_experts(layer)
+    x = x.to(torch.bfloat16)
 
     def call() -> torch.Tensor:
         flat = ids.reshape(-1)
@@ -167,14 +173,21 @@ def grouped_mm_call(layer: Layer, x: torch.Tensor, ids: torch.Tensor, weights: t
         counts = torch.zeros(experts, dtype=torch.int32, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat, dtype=torch.int32))
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = torch._grouped_mm(x[order // top_k], layer.gate_up_w.transpose(1, 2), offs=offs)
+        h = torch._grouped_mm(x[order // top_k], gate_up_w.transpose(1, 2), offs=offs)
         gate, up = h.chunk(2, dim=1)
-        y = torch._grouped_mm((F.silu(gate) * up).contiguous(), layer.down_w.transpose(1, 2), offs=offs)
-        out = torch.empty_like(y)
-        out[order] = y
-        return (out.view(tokens, top_k, -1) * weights[..., None].to(y.dtype)).sum(dim=1)
+        y = torch._grouped_mm((F.silu(gate) * up).contiguous(), down_w.transpose(1, 2), offs=offs)
+        unsorted = torch.empty_like(y).index_copy_(0, order, y)
+        out = (unsorted.view(tokens, top_k, -1) * weights[..., None].to(y.dtype)).sum(dim=1)
+        return out.to(DTYPE)
 
     return call
+
+
+def bf16_experts(layer: Layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's fp16 experts in bf16, made once per layer."""
+    if layer.bf16 is None:
+        layer.bf16 = (layer.gate_up_w.to(torch.bfloat16), layer.down_w.to(torch.bfloat16))
+    return layer.bf16
 
 
 def reference(layer: Layer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -329,13 +342,15 @@ BASELINES = ("dequant_loop", "fp16_loop", "grouped_mm", "vllm")
 def speedups(row: dict) -> dict[str, float]:
     """Each grouped method's speedup over the per-expert loops, and split K's over the unsplit kernel."""
     times = row["times_us"]
-    pairs = [(ours, base) for ours in OURS for base in ("dequant_loop", "fp16_loop")] + [("grouped_splitk", "grouped")]
+    pairs = [(ours, base) for ours in OURS for base in ("dequant_loop", "fp16_loop", "grouped_mm")] + [
+        ("grouped_splitk", "grouped")]
     return {f"{ours} vs {base}": times[base] / times[ours] for ours, base in pairs if ours in times and base in times}
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     methods = OURS + BASELINES
-    ratios = ["grouped_splitk vs grouped", "grouped vs fp16_loop", "grouped_splitk vs fp16_loop",
+    ratios = ["grouped_splitk vs grouped", "grouped vs fp16_loop", "grouped_splitk vs fp16_loop", "grouped vs grouped_mm",
+              "grouped_splitk vs grouped_mm",
               "grouped_w4a8 vs fp16_loop", "grouped_w4a8 vs dequant_loop"]
     lines = [f"# Grouped MoE kernels: {meta['device']}", "",
              f"{meta['date']}, commit {meta['commit']}, `{meta['command']}`, int4 g{meta['group']} sym, fp16, "

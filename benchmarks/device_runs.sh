@@ -11,7 +11,7 @@
 #   reload70b  a Llama-3-70B-shaped W4A16 export (~37 GB) loaded onto the GPU by quantkit's reload    (~6 min)
 #   layerwise70b  a 70B-shaped original (4 layers) against its export, perplexity and KL layer by layer (~4 min)
 #   quantize   GPTQ and awq-gptq act-order on the Llama-3-8B shape, 128 x 2048 tokens                (~8 min)
-#   moe        the grouped MoE kernels against the per-expert loops, Qwen3-30B-A3B and Mixtral shapes (~4 min)
+#   moe        the grouped MoE kernels against the per-expert loops and torch._grouped_mm (bf16), Qwen3-30B-A3B, Mixtral and DeepSeek-V3 shapes
 # COMMIT is the code's commit (the device's checkout has no git history). Tuning results are cached in .devcache
 # so a later part on the same warm machine does not re-tune.
 set -euo pipefail
