@@ -335,3 +335,24 @@ def test_qqq_smooths_the_norm_to_experts_group_at_the_block_output() -> None:
     for entry in report.layers:
         choice = entry["smoothing"]["post_attention_layernorm"]
         assert "skipped" not in choice, choice
+
+
+def test_deepseek_keeps_its_latent_projections_in_16_bits(tmp_path) -> None:
+    """q_a, kv_a and kv_b stay in the model's dtype (ArchAdapter.keeping): out of the steps and fused groups, named in
+    the export's ignore list; the norm before q_a/kv_a still smooths q_proj where a model has no q LoRA, kv_a scaled
+    along as a passenger."""
+    adapter = get_adapter(tiny_moe("deepseek_v3"))
+    kept = {"self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"}
+    assert not kept & set(adapter.linear_names()) and not any(kept & set(group) for group in adapter.fused)
+    assert {"self_attn.q_b_proj", "self_attn.o_proj", "self_attn.q_proj"} <= set(adapter.linear_names())
+    groups = {(g.prev, g.linears): g.passengers for g in adapter.scaling_groups}
+    assert groups[("input_layernorm", ("self_attn.q_proj",))] == ("self_attn.kv_a_proj_with_mqa",)
+    assert not any(g.prev == "self_attn.kv_a_layernorm" for g in adapter.scaling_groups)
+    model = tiny_moe("deepseek_v3")
+    quantize_model(model, get_adapter(model), random_calibration(vocab=128), QuantConfig(method="rtn", group_size=32),
+                   device="cpu", show_progress=False)
+    out = export_checkpoint(model, None, tmp_path / "ct", QuantConfig(method="rtn", group_size=32),
+                            "compressed-tensors", dtype="float16")
+    ignored = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert {f"model.layers.{i}.{name}" for i in range(2) for name in kept} <= set(ignored)
+    assert "model.layers.0.self_attn.q_b_proj" not in ignored

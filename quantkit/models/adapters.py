@@ -158,6 +158,20 @@ class ArchAdapter:
             scaling_groups=tuple(g for group in self.scaling_groups for g in group.expand(count)),
         )
 
+    def keeping(self, unquantized: tuple[str, ...]) -> ArchAdapter:
+        """This entry with the `unquantized` linears left in the model's dtype: out of the steps and fused groups;
+        a smoothing group keeps them as passengers (scaled along, never quantized) and goes if none of its linears
+        is left. Exports name them in their ignore lists (export.unquantized_linears)."""
+        kept = set(unquantized)
+
+        def left(names: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(n for n in names if n not in kept)
+
+        groups = tuple(replace(g, linears=left(g.linears), passengers=(*g.passengers, *(n for n in g.linears if n in kept)))
+                       for g in self.scaling_groups if left(g.linears))
+        return replace(self, sequential=tuple(left(step) for step in self.sequential if left(step)),
+                       fused=tuple(left(group) for group in self.fused if len(left(group)) > 1), scaling_groups=groups)
+
     def get_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(self.layers)
 
@@ -242,6 +256,13 @@ _MLA = (
 )
 
 
+# The MLA projections left in 16 bits by default: the latent ones. Measured on small random DeepSeek-V3 models
+# (benchmarks/accuracy/MLA.md), keeping q_a + kv_a or kv_b removes several times more of the logits' error per
+# weight kept than keeping q_b or o_proj; vLLM's MLA decode runs kv_b in 16 bits whatever the checkpoint holds
+# (it dequantizes it into W_UK / W_UV), and the three are ~0.3% of a 671B model's weights.
+_MLA_UNQUANTIZED = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj")
+
+
 def _moe(name: str, model_types: tuple[str, ...], experts: MoeExperts,
          attention: tuple[tuple, tuple, tuple] = _GQA) -> ArchAdapter:
     """A Llama-like decoder whose MLP is a sparse MoE block (dense MLP layers, as Qwen's mlp_only_layers and
@@ -314,7 +335,7 @@ ADAPTERS: tuple[ArchAdapter, ...] = (
     # layers, routed experts with one ungated shared MLP, the router kept whole (quantkit computes nothing of it)
     _moe("deepseek_v3", ("deepseek_v3", "kimi_k2"), MoeExperts(
         count="n_routed_experts", shared_expert="mlp.shared_experts", router_routes=True, fp32_routing_weights=True),
-        attention=_MLA),
+        attention=_MLA).keeping(_MLA_UNQUANTIZED),
 )
 
 # Architectures that look supported but need what no entry can say yet: refused with the reason.
