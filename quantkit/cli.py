@@ -10,6 +10,7 @@ import os
 import sys
 import typing
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import Field, dataclass, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -21,6 +22,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from quantkit.config import AUTO_GROUP, QuantConfig, check_option_value, option_spec
+from quantkit.distributed import Ranks
 from quantkit.qtensor import QuantizationError
 from quantkit.streaming.workdir import RESUME_INTERVAL_S
 
@@ -316,6 +318,7 @@ class QuantizeJob:
 
 def _quantize(**flags: Any) -> None:
     from quantkit.data import build_calibration_set, load_passages
+    from quantkit.distributed import ranks_from_environment
     from quantkit.export import export_dtype, scale_dtype_for
     from quantkit.formats import get_format
     from quantkit.models import get_adapter, load_model
@@ -325,6 +328,8 @@ def _quantize(**flags: Any) -> None:
     from quantkit.streaming import open_streamed_model, streamable_reason
 
     job = QuantizeJob.from_flags(flags)
+    ranks = ranks_from_environment()  # torchrun: this process's rank; otherwise one process
+    console.quiet = not ranks.writer
     work_device = resolve_device(job.device)
     nsamples = default_nsamples(work_device) if job.nsamples is None else job.nsamples
     planned = job.planned_scheme()
@@ -333,7 +338,7 @@ def _quantize(**flags: Any) -> None:
         console.print(f"{job.method} fixes " + ", ".join(f"{k}={v}" for k, v in planned.method_fixes().items()))
     output = job.output or default_output(job.model, job.method, job.bits, planned.act_bits, job.group_size)
     check_writable_folder("--output", output)  # before the lock beside it is made
-    with output_lock(output):  # one run per output, from its checks to its export
+    with output_lock(output) if ranks.writer else nullcontext():  # one run per output, from its checks to its export
         check_quantize_request(source=job.model, calib=job.calib, output=output, overwrite=job.overwrite,
                                nsamples=nsamples, seqlen=job.seqlen, batch_size=job.batch_size,
                                eval_windows=job.eval_windows if job.evaluate else None, dtype=job.dtype,
@@ -341,6 +346,8 @@ def _quantize(**flags: Any) -> None:
         _phase("reading the calibration text")
         passages = load_passages(job.calib)
         not_streamed = streamable_reason(job.model, job.trust_remote_code)
+        if not_streamed is not None and ranks.world > 1:
+            raise QuantizationError(f"several processes (torchrun) quantize a streamed source only: {not_streamed}")
         if not_streamed is None:
             _phase(f"loading {job.model} layer by layer (streaming)")
             lm, ckpt = open_streamed_model(job.model, default_dtype(work_device))
@@ -358,7 +365,7 @@ def _quantize(**flags: Any) -> None:
                       f"{nsamples} x {job.seqlen} calibration tokens on {work_device}")
         calib_set = build_calibration_set(tokenizer, passages, nsamples, job.seqlen, job.seed, job.chat_template)
         if not_streamed is None:
-            _quantize_streamed(job, lm, ckpt, tokenizer, calib_set, config, output, work_device)
+            _quantize_streamed(job, lm, ckpt, tokenizer, calib_set, config, output, work_device, ranks)
         else:
             _quantize_whole(job, lm, tokenizer, calib_set, config, output, work_device)
 
@@ -386,15 +393,15 @@ def _quantize_whole(job: QuantizeJob, lm, tokenizer, calib_set, config: QuantCon
 
 
 def _quantize_streamed(job: QuantizeJob, lm, ckpt, tokenizer, calib_set, config: QuantConfig, output: Path,
-                       work_device: str) -> None:
+                       work_device: str, ranks: Ranks) -> None:
     from quantkit.streaming import quantize_streaming
 
     _phase(f"quantizing layer by layer, exporting to {output}")
     out, report = quantize_streaming(lm, ckpt, tokenizer, calib_set, config, job.format, output, dtype=job.dtype,
                                      device=work_device, batch_size=job.batch_size, overwrite=job.overwrite,
                                      resume=job.resume, offload_dir=job.offload_dir,
-                                     resume_interval=job.resume_interval)
-    if report is None:
+                                     resume_interval=job.resume_interval, ranks=ranks)
+    if report is None or not ranks.writer:
         console.print(f"the export of this command was already complete -> [bold]{out}[/]")
         return
     _print_summary(report, out)

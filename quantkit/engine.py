@@ -28,6 +28,7 @@ from torch import nn
 
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
+from quantkit.distributed import SINGLE, Ranks
 from quantkit.layer_guard import guard_layer, snapshot
 from quantkit.models.adapters import ArchAdapter
 from quantkit.models.moe import (
@@ -170,25 +171,33 @@ class _PhaseTimer:
 
 
 def _quantize_step(
-    ctx: LayerContext, method: Method, names: list[str], timer: _PhaseTimer, calibration: LayerCalibration
+    ctx: LayerContext, method: Method, names: list[str], timer: _PhaseTimer, calibration: LayerCalibration,
+    ranks: Ranks = SINGLE,
 ) -> dict[str, QuantizedWeight]:
     """Quantize one sequential step's linears: their statistics, then their solves, a part of the step at a time
     where the statistics of all of it would not fit (an MoE layer's experts: 256 Hessians of 7168^2 are 52 GB).
-    The parts' results equal the whole step's: the step's linears read inputs none of them writes."""
+    The parts' results equal the whole step's: the step's linears read inputs none of them writes. With several
+    ranks, each gathers and solves its share of a part's groups, then all take every result."""
     linears = {n: ctx.module(n) for n in names}
     quantizers = {n: calibration.quantizer(method, lin, n, ctx.index) for n, lin in linears.items()}
     shared = _same_input_sharers(ctx.adapter, quantizers)
     groups = [[owner, *(sharer for sharer, its_owner in shared.items() if its_owner == owner)]
               for owner in quantizers if owner not in shared]  # an owner, then the linears taking its statistics
+    cost = {group[0]: sum(linears[n].weight.numel() for n in group) for group in groups}
     results: dict[str, QuantizedWeight] = {}
     for part in _statistics_parts(groups, quantizers, ctx.device):
-        if method.needs_activations:
-            _gather_statistics(ctx, [group[0] for group in part], linears, quantizers, timer)
-        for group in part:
+        mine = ranks.share(part, cost)
+        if method.needs_activations and mine:
+            _gather_statistics(ctx, [group[0] for group in mine], linears, quantizers, timer)
+        for group in mine:
             for sharer in group[1:]:
                 quantizers[sharer].take_statistics(quantizers[group[0]])
         with timer("solve"):
-            results |= _solve(ctx, part, linears, quantizers)
+            solved = ranks.exchange(_solve(ctx, mine, quantizers), ctx.device)
+        for n in (n for group in part for n in group):
+            quantizers[n].free()
+            linears[n].weight.data.copy_(solved[n].dequantize(linears[n].weight.dtype))
+        results |= solved
     return {n: results[n] for n in quantizers}
 
 
@@ -224,10 +233,10 @@ def _gather_statistics(ctx: LayerContext, owners: list[str], linears: dict[str, 
             h.remove()
 
 
-def _solve(ctx: LayerContext, groups: list[list[str]], linears: dict[str, nn.Module],
+def _solve(ctx: LayerContext, groups: list[list[str]],
            quantizers: dict[str, LinearQuantizer]) -> dict[str, QuantizedWeight]:
-    """Each quantizer class's groups solved together (GPTQ: side by side); the linears then hold their
-    dequantized weights, which later steps' inputs are computed with."""
+    """Each quantizer class's groups solved together (GPTQ: side by side). The caller puts the dequantized weights
+    into the linears, which later steps' inputs are computed with."""
     by_class: dict[type[LinearQuantizer], list[list[str]]] = {}
     for group in groups:
         by_class.setdefault(type(quantizers[group[0]]), []).append(group)
@@ -237,10 +246,7 @@ def _solve(ctx: LayerContext, groups: list[list[str]], linears: dict[str, nn.Mod
             solved = cls.quantize_groups([[quantizers[n] for n in group] for group in members])
         except QuantizationError as err:
             raise QuantizationError(f"layer {ctx.index}: {err}") from err
-        for n, qw in zip((n for group in members for n in group), (r for rs in solved for r in rs), strict=True):
-            quantizers[n].free()
-            linears[n].weight.data.copy_(qw.dequantize(linears[n].weight.dtype))
-            results[n] = qw
+        results |= zip((n for group in members for n in group), (r for rs in solved for r in rs), strict=True)
     return results
 
 
@@ -294,6 +300,7 @@ def quantize_model(
     hidden_states: list[torch.Tensor] | None = None,
     offload_dir: Path | None = None,
     on_inputs_captured: Callable[[], None] | None = None,
+    ranks: Ranks = SINGLE,
 ) -> QuantReport:
     """Quantize every decoder-layer linear of `model` in place, layer by layer; returns the report.
 
@@ -302,7 +309,7 @@ def quantize_model(
     `on_layer_done(i, layer, outputs, entry)` sees each finished layer, still on the device, before its release;
     a resumed run starts at `start_layer` with `hidden_states` (the inputs of that layer per batch) instead of
     the captured layer-0 inputs; `on_inputs_captured()` runs once the model outside the decoder layers has done
-    its part.
+    its part; with several `ranks` (quantkit.distributed), each solves its share of every step.
     The hidden states wait between layers on the device, in host memory or under `offload_dir`
     (quantkit.streaming.hidden picks the first that fits).
     """
@@ -334,7 +341,8 @@ def quantize_model(
     guarded = method.needs_calibration and method.rtn_guard
     layers_start = time.perf_counter()
     progress = Progress(TextColumn("[bold]quantizing {task.fields[method]}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TextColumn("{task.fields[note]}"), disable=not show_progress)
+                        TimeElapsedColumn(), TextColumn("{task.fields[note]}"),
+                        disable=not (show_progress and ranks.writer))
     with progress, store:
         task = progress.add_task("layers", total=len(layers), completed=start_layer, method=config.method, note="")
         for i, layer in enumerate(layers):
@@ -352,7 +360,8 @@ def quantize_model(
                 entry["guard"] = "skipped: the layer's copies do not fit"
             results: dict[str, QuantizedWeight] = {}
             for step in adapter.sequential:
-                results.update(_quantize_step(ctx, method, [n for n in step if _has(layer, n)], timer, calibration))
+                results.update(_quantize_step(ctx, method, [n for n in step if _has(layer, n)], timer, calibration,
+                                              ranks))
             outputs, routing = _layer_outputs(ctx, store, timer, calibration)
             if original is not None:
                 with timer("guard"):
@@ -380,7 +389,7 @@ def quantize_model(
             note = f"{entry['seconds']:.1f}s/layer, ETA {_eta(layers_start, done, len(layers) - start_layer)}, " \
                    f"{_memory_note(device)}"
             progress.update(task, advance=1, note=note)
-            if not progress.console.is_terminal:  # a log file: one line per layer instead of a bar
+            if ranks.writer and not progress.console.is_terminal:  # a log file: one line per layer instead of a bar
                 log.info("layer %d/%d quantized: %s", i + 1, len(layers), note)
     model.config.use_cache = True
     report.seconds = time.perf_counter() - start

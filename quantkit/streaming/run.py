@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
+from quantkit.distributed import SINGLE, Ranks
 from quantkit.engine import QuantReport, quantize_model
 from quantkit.export import (
     ExportPlan,
@@ -148,11 +149,14 @@ def quantize_streaming(
     layer_source: StreamedLayers | None = None,
     offload_dir: Path | None = None,
     resume_interval: float = RESUME_INTERVAL_S,
+    ranks: Ranks = SINGLE,
 ) -> tuple[Path, QuantReport | None]:
     """Quantize the skeleton from open_streamed_model layer by layer and write the export at `output`.
 
     `offload_dir`: where the calibration hidden states go when neither the device nor the host holds them.
     `resume_interval`: seconds between the saves of the hidden states a resume starts from (0: every layer).
+    `ranks`: the processes sharing the run (quantkit.distributed); rank 0 alone writes the work folder and the export,
+    the others read the resume's hidden states from it.
     Returns the output and the report (None when an earlier run of the same command had already
     published the export and was stopped while cleaning up)."""
     fmt = get_format(fmt_name)
@@ -166,8 +170,9 @@ def quantize_streaming(
     settings = _settings(config, fmt_name, torch_dtype, model, device, batch_size)
     work = WorkDir(work_dir_for(output), run_key(ckpt.fingerprint(), settings, calib), resume_interval)
     if output.exists() and work.published():
-        log.warning("%s already holds this run's export; removing the leftover %s", output, work.path)
-        work.remove()
+        if ranks.writer:
+            log.warning("%s already holds this run's export; removing the leftover %s", output, work.path)
+            work.remove()
         return output, None
     check_output_target(output, overwrite)
     unfuse_experts(model, adapter)  # the layers' per-expert names, which the checkpoint must hold
@@ -175,12 +180,14 @@ def quantize_streaming(
                                                  read_ahead=device.type == "cuda")
     layer_source.check_complete(adapter.get_layers(model))
     with _disk_errors(work.path):
-        output.parent.mkdir(parents=True, exist_ok=True)
-        start = work.open(resume)
+        if ranks.writer:
+            output.parent.mkdir(parents=True, exist_ok=True)
+        start = ranks.from_writer(work.open(resume) if ranks.writer else None)
 
         def on_layer_done(index: int, layer: nn.Module, outputs: list[torch.Tensor], entry: dict) -> None:
-            pause_between_phases()
-            work.save_layer(index, layer_export_tensors(index, layer, adapter, fmt, torch_dtype), outputs, entry)
+            if ranks.writer:
+                pause_between_phases()
+                work.save_layer(index, layer_export_tensors(index, layer, adapter, fmt, torch_dtype), outputs, entry)
 
         try:
             report = quantize_model(model, adapter, calib, config, device=device, batch_size=batch_size,
@@ -188,15 +195,17 @@ def quantize_streaming(
                                     on_layer_done=on_layer_done, start_layer=start,
                                     on_inputs_captured=lambda: release_outside_layers(model, adapter, ckpt),
                                     hidden_states=work.hidden_states(start) if start else None,
-                                    offload_dir=offload_dir)
+                                    offload_dir=offload_dir, ranks=ranks)
         except BaseException:
             work.flush(raising=False)  # what finished before the failure stays for the resume
             raise
-        work.flush()
-        report.layers = work.entries()
-        assembly = time.perf_counter()
-        _write_export(model, adapter, ckpt, tokenizer, config, fmt_name, torch_dtype, report, work, output)
-        report.timings["export assembly"] = time.perf_counter() - assembly
+        if ranks.writer:
+            work.flush()
+            report.layers = work.entries()
+            assembly = time.perf_counter()
+            _write_export(model, adapter, ckpt, tokenizer, config, fmt_name, torch_dtype, report, work, output)
+            report.timings["export assembly"] = time.perf_counter() - assembly
+        ranks.barrier()  # the export is in place when any rank returns
     return output, report
 
 

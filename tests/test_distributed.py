@@ -1,0 +1,70 @@
+"""Several processes (torchrun, gloo on the CPU): each rank solves its share of every step, rank 0 writes; the export
+has one process's bytes, and a run whose rank is killed leaves no export and resumes to those bytes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from test_streaming import PAUSE, _command, _digest, _env, with_tokenizer  # noqa: F401 (a fixture)
+
+from quantkit.distributed import Ranks
+from quantkit.streaming.workdir import PAUSE_MARK, work_dir_for
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
+
+
+def test_groups_are_shared_by_cost_and_every_group_has_one_rank() -> None:
+    groups = [["q", "k", "v"], ["o"], ["e0"], ["e1"], ["e2"]]
+    cost = {"q": 30, "o": 10, "e0": 8, "e1": 8, "e2": 8}
+    shares = [Ranks(rank, 2).share(groups, cost) for rank in range(2)]
+    assert sorted(g[0] for share in shares for g in share) == sorted(g[0] for g in groups)
+    assert shares[0] == [["q", "k", "v"]] and shares[1] == [["o"], ["e0"], ["e1"], ["e2"]]  # 30 against 34
+    assert Ranks().share(groups, cost) == groups
+
+
+def _torchrun(command: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *command[1:]]
+
+
+def _rank_pid(agent: int, rank: int) -> int | None:
+    """The pid of torchrun's worker of local rank `rank` (a child of the agent whose environment says so)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent and \
+                    f"LOCAL_RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                return int(entry.name)
+        except OSError:
+            continue
+    return None
+
+
+def test_two_ranks_killed_then_resumed_give_one_process_bytes(with_tokenizer, tmp_path) -> None:  # noqa: F811
+    """`torchrun --nproc-per-node 2 -m quantkit quantize ...` on the CPU: rank 1 is SIGKILLed while rank 0 writes
+    layer 1 (torchrun stops rank 0); nothing is at the output; the rerun resumes from the finished layers and
+    publishes the bytes of a one-process run. Dense, and MoE (experts spread over the ranks)."""
+    source, _, _ = with_tokenizer
+    whole = tmp_path / "whole"
+    subprocess.run(_command(source, whole), env=_env(0), check=True, capture_output=True, timeout=120)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(_torchrun(_command(source, out)), env=_env(PAUSE), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    marks = 0
+    for line in proc.stderr:
+        marks += PAUSE_MARK in line
+        if marks == 6:  # layer 0 committed, layer 1's file written
+            os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    proc.stderr.close()
+    assert proc.returncode != 0 and not out.exists()
+    assert (work_dir_for(out) / "layer-00000.safetensors").is_file()
+    final = subprocess.run(_torchrun(_command(source, out)), env=_env(0), capture_output=True, text=True, timeout=180)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert "resuming" in " ".join(final.stderr.split())
+    assert _digest(out) == _digest(whole) and not work_dir_for(out).exists()
