@@ -6,7 +6,7 @@ A random `deepseek_v3` model with DeepSeek-V3's head dimensions (q/k 128 + 64 ro
 ratios to the hidden width that g128 divides (q_lora = hidden / 4, kv_lora = hidden / 8; V3: / 4.7, / 14), a dense
 first layer, routed experts plus a
 shared one, is quantized with quantkit's default method (awq-gptq W4A16 g128) in variants that leave some
-attention projections unquantized (`ArchAdapter.keeping`). Each variant's final logits are compared with the
+attention projections unquantized (`ArchAdapter.keeping` of the entry with every linear). Each variant's final logits are compared with the
 original's on held-out random tokens: relative logit error and KL(original || quantized), per seed (the model's
 weights and the tokens), with the share of the layer's attention weights each variant keeps. The experts and
 MLPs are quantized in every variant.
@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.engine import quantize_model
-from quantkit.models import get_adapter
+from quantkit.models.adapters import DEEPSEEK_V3_EVERY_LINEAR, MLA_UNQUANTIZED
 
 MLA = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
        "self_attn.o_proj")
@@ -39,6 +39,7 @@ VARIANTS = {
     "q_a + kv_a kept": ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),  # vLLM fuses them: one scheme
     "q_b kept": ("self_attn.q_b_proj",),
     "o kept": ("self_attn.o_proj",),
+    "q_a + kv_a + kv_b kept (the default)": MLA_UNQUANTIZED,
     "attention kept": MLA,
 }
 HIDDEN, VOCAB, SEQLEN = 1024, 4096, 256
@@ -87,7 +88,7 @@ def measure(seed: int, nsamples: int, log) -> list[dict]:
     rows = []
     for name, kept in VARIANTS.items():
         quantized = copy.deepcopy(model)
-        adapter = get_adapter(quantized).keeping(kept)
+        adapter = DEEPSEEK_V3_EVERY_LINEAR.for_config(quantized.config).keeping(kept)
         t0 = time.perf_counter()
         quantize_model(quantized, adapter, calib, QuantConfig(group_size=128), device="cpu", show_progress=False)
         out = logits(quantized, heldout)

@@ -260,7 +260,7 @@ _MLA = (
 # (benchmarks/accuracy/MLA.md), keeping q_a + kv_a or kv_b removes several times more of the logits' error per
 # weight kept than keeping q_b or o_proj; vLLM's MLA decode runs kv_b in 16 bits whatever the checkpoint holds
 # (it dequantizes it into W_UK / W_UV), and the three are ~0.3% of a 671B model's weights.
-_MLA_UNQUANTIZED = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj")
+MLA_UNQUANTIZED = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj")
 
 
 def _moe(name: str, model_types: tuple[str, ...], experts: MoeExperts,
@@ -300,6 +300,13 @@ def _moe(name: str, model_types: tuple[str, ...], experts: MoeExperts,
     )
 
 
+# DeepSeek-V3/R1/V3.1 and Kimi-K2 (model_type kimi_k2 where its config says so): MLA attention, dense first layers,
+# routed experts with one ungated shared MLP, the router kept whole (quantkit computes nothing of it); the entry keeps
+# MLA_UNQUANTIZED in 16 bits (benchmarks/bench_mla_projections.py starts from every linear)
+DEEPSEEK_V3_EVERY_LINEAR = _moe("deepseek_v3", ("deepseek_v3", "kimi_k2"), MoeExperts(
+    count="n_routed_experts", shared_expert="mlp.shared_experts", router_routes=True, fp32_routing_weights=True),
+    attention=_MLA)
+
 ADAPTERS: tuple[ArchAdapter, ...] = (
     _llama_like("llama", ("llama",)),  # Llama 2/3, SmolLM2, Kanana
     _llama_like("mistral", ("mistral",), DecoderTraits(slides_without_layer_types=True)),
@@ -331,11 +338,7 @@ ADAPTERS: tuple[ArchAdapter, ...] = (
     _moe("mixtral", ("mixtral",), MoeExperts(count="num_local_experts", fp32_routing_weights=True, checkpoint_names=(
         (".mlp.", ".block_sparse_moe."), (".gate_proj", ".w1"), (".up_proj", ".w3"), (".down_proj", ".w2")))),
     _moe("olmoe", ("olmoe",), MoeExperts(count="num_experts")),
-    # DeepSeek-V3/R1/V3.1 and Kimi-K2 (model_type kimi_k2 where its config says so): MLA attention, dense first
-    # layers, routed experts with one ungated shared MLP, the router kept whole (quantkit computes nothing of it)
-    _moe("deepseek_v3", ("deepseek_v3", "kimi_k2"), MoeExperts(
-        count="n_routed_experts", shared_expert="mlp.shared_experts", router_routes=True, fp32_routing_weights=True),
-        attention=_MLA).keeping(_MLA_UNQUANTIZED),
+    DEEPSEEK_V3_EVERY_LINEAR.keeping(MLA_UNQUANTIZED),
 )
 
 # Architectures that look supported but need what no entry can say yet: refused with the reason.
