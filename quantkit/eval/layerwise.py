@@ -20,7 +20,7 @@ from torch import nn
 
 from quantkit.data import CalibrationSet
 from quantkit.engine import _move, capture_layer_inputs
-from quantkit.eval.perplexity import heldout_windows, summed_kl, summed_nll
+from quantkit.eval.perplexity import NLL_CHUNK_ELEMENTS, heldout_windows, summed_kl, summed_nll
 from quantkit.models import get_adapter
 from quantkit.models.loading import is_quantkit_export
 from quantkit.models.moe import unfuse_experts
@@ -69,18 +69,34 @@ class _Model:
     def final_hidden_states(self, calib: CalibrationSet, batch_size: int) -> list[torch.Tensor]:
         """The hidden states after the last layer, per batch of windows."""
         inputs, kwargs, masks = capture_layer_inputs(self.model, self.adapter, calib, self.device, batch_size)
+        self.head = self._narrow_head()
         for i, layer in enumerate(self.adapter.get_layers(self.model)):
             with self.layer(i, layer):
                 ctx = LayerContext(i, layer, self.adapter, inputs, _move(kwargs[i], self.device), masks, self.device)
                 inputs = ctx.forward()
-        for name in (self.adapter.outer.final_norm, self.adapter.outer.lm_head):
-            self.model.get_submodule(name).to(self.device)
+        self.model.get_submodule(self.adapter.outer.final_norm).to(self.device)
+        self.head = self.head.to(self.device)
         return inputs
 
+    def _narrow_head(self) -> torch.Tensor:
+        """The head's weight in the 16-bit dtype that holds its values exactly (a bf16 checkpoint's, an fp16 export's:
+        half the bytes of the CPU's fp32 copy), else as it is; the embeddings, needed no more, go to the meta
+        device (tied ones too: the head keeps its own copy)."""
+        outer = self.adapter.outer
+        weight = self.model.get_submodule(outer.lm_head).weight.detach()
+        narrow = next((weight.to(dtype) for dtype in (torch.bfloat16, torch.float16)
+                       if weight.dtype == torch.float32 and torch.equal(weight.to(dtype).float(), weight)), weight)
+        for name in (outer.embeddings[0], outer.lm_head):
+            self.model.get_submodule(name).to("meta")
+        return narrow
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Next-token logits for every position but the last, as the model's forward computes them."""
-        norm = self.model.get_submodule(self.adapter.outer.final_norm)
-        logits = self.model.get_submodule(self.adapter.outer.lm_head)(norm(hidden[:, :-1]))
+        """Next-token logits of the given positions [B, T, H] as the model's forward computes them, the head widened
+        a block of its rows at a time."""
+        x = self.model.get_submodule(self.adapter.outer.final_norm)(hidden)
+        rows = max(1, NLL_CHUNK_ELEMENTS // x.shape[-1])
+        logits = torch.cat([x @ self.head[start:start + rows].to(x.dtype).t()
+                            for start in range(0, self.head.shape[0], rows)], dim=-1)
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -122,15 +138,24 @@ def _layerwise_scores(sources: list[str | Path], windows: dict[str, torch.Tensor
         hidden = model.final_hidden_states(calib, batch_size)
         nll, kl = [], []
         for b, target in enumerate(targets):
-            for row in range(len(target)):  # one window's logits at a time: [T, vocab] twice, not [B, T, vocab]
-                logits = model.logits(hidden[b][row:row + 1])
-                nll.append(summed_nll(logits, target[row:row + 1]))
-                if reference is not None:
-                    kl.append(summed_kl(reference[0].logits(reference[1][b][row:row + 1]), logits))
-        sums.append((nll, kl))
+            for row in range(len(target)):  # a window at a time, a slice of its positions' logits at a time
+                nll.append(0.0)
+                kl.append(0.0)
+                for positions in _position_slices(target.shape[1], model.head.shape[0]):
+                    logits = model.logits(hidden[b][row:row + 1, positions])
+                    nll[-1] += summed_nll(logits, target[row:row + 1, positions])
+                    if reference is not None:
+                        kl[-1] += summed_kl(reference[0].logits(reference[1][b][row:row + 1, positions]), logits)
+        sums.append((nll, kl if reference is not None else []))
         if reference is None:
             reference = (model, hidden)
     return _scores_per_label(windows, sums)
+
+
+def _position_slices(positions: int, vocab: int) -> list[slice]:
+    """The predicting positions 0..positions-1 in slices whose logits hold about NLL_CHUNK_ELEMENTS values."""
+    rows = max(1, NLL_CHUNK_ELEMENTS // vocab)
+    return [slice(start, min(start + rows, positions)) for start in range(0, positions, rows)]
 
 
 def _scores_per_label(windows: dict[str, torch.Tensor],
