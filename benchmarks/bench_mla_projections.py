@@ -112,6 +112,18 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+def markdown(result: dict) -> str:
+    lines = ["| variant | attention weights kept in 16 bits | logit relative error (range) | KL (range) | KL vs all quantized |",
+             "|---|---|---|---|---|"]
+    base = result["summary"][0]["kl"]
+    for row in result["summary"]:
+        lines.append(f"| {row['variant']} | {row['attention_share_kept']:.1%} | {row['logit_rel_error']:.4f} "
+                     f"({row['logit_rel_error_range'][0]:.4f}-{row['logit_rel_error_range'][1]:.4f}) | "
+                     f"{row['kl']:.4f} ({row['kl_range'][0]:.4f}-{row['kl_range'][1]:.4f}) | "
+                     f"{row['kl'] / base - 1:+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -123,8 +135,7 @@ def main() -> int:
     result = dict(date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv), config=config().to_dict(),
                   method=QuantConfig(group_size=128).label(), rows=rows, summary=summary(rows))
     args.out.write_text(json.dumps(result, indent=1))
-    for line in result["summary"]:
-        print(json.dumps(line))
+    print(markdown(result))
     return 0
 
 

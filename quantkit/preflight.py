@@ -123,6 +123,21 @@ def estimate_hidden_state_bytes(source: Path, nsamples: int, seqlen: int) -> int
     return 2 * nsamples * seqlen * width * 4
 
 
+def check_architecture(source: Path) -> None:
+    """A local model folder's architecture has an entry, and its router settings are ones the entry covers: from
+    config.json alone, before any weight is read."""
+    from types import SimpleNamespace
+
+    from quantkit.models import get_adapter
+
+    config = source / "config.json"
+    if not (source.is_dir() and config.is_file()):
+        return
+    values = json.loads(config.read_text())
+    if "model_type" in values:
+        get_adapter(values["model_type"]).check_router(SimpleNamespace(**values))
+
+
 HUB_TIMEOUT_S = 3.0
 
 
@@ -163,6 +178,7 @@ def check_quantize_request(*, source: str | None, calib: str | None, output: Pat
     check_choice("--dtype", dtype, ("auto", *EXPORT_DTYPES))
     source_path = default_model_path() if is_default_name(source) else Path(str(source)).expanduser()
     check_model_source(str(source_path))
+    check_architecture(source_path)
     check_hub_reachable(str(source_path))
     check_text_source(calib)
     check_writable_folder("--output", output)

@@ -315,3 +315,13 @@ def test_a_streamed_run_evaluates_its_export_layer_by_layer(tiny_llama, tmp_path
     row = result.output[result.output.index(name):]
     assert row.split()[:9:2] == [name, f"{original['ppl']:.3f}", f"{quantized['ppl']:.3f}",
                                  f"{quantized['ppl'] - original['ppl']:+.3f}", f"{quantized['kl']:.4f}"]
+
+
+def test_a_deepseek_variant_without_an_entry_is_refused_from_its_config_alone(tmp_path) -> None:
+    """DeepSeek-V3.2 (sparse attention): refused in one line naming what is missing, before any weight is read (the
+    folder holds a config.json only)."""
+    folder = tmp_path / "v32"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "deepseek_v32", "n_routed_experts": 256}))
+    result = _quantize(str(folder), "--output", str(tmp_path / "q"))
+    assert result.exit_code == 2 and "lightning indexer" in result.output and not (tmp_path / "q").exists()

@@ -356,3 +356,20 @@ def test_deepseek_keeps_its_latent_projections_in_16_bits(tmp_path) -> None:
     ignored = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
     assert {f"model.layers.{i}.{name}" for i in range(2) for name in kept} <= set(ignored)
     assert "model.layers.0.self_attn.q_b_proj" not in ignored
+
+
+@pytest.mark.parametrize("model_type,named", [("deepseek_v32", "indexer"), ("deepseek_v2", "softmax router"),
+                                               ("kimi_k25", "vision-language")])
+def test_deepseek_variants_without_an_entry_are_refused_naming_what_is_missing(model_type: str, named: str) -> None:
+    with pytest.raises(QuantizationError, match=named) as err:
+        get_adapter(model_type)
+    assert "\n" not in str(err.value)
+
+
+def test_a_deepseek_router_of_another_kind_is_refused_before_any_work() -> None:
+    config = CONFIGS["deepseek_v3"]()
+    config.topk_method = "group_limited_greedy"
+    with pytest.raises(QuantizationError, match="topk_method='group_limited_greedy' is not covered"):
+        get_adapter("deepseek_v3").for_config(config)
+    config.topk_method, config.scoring_func = "noaux_tc", "sigmoid"  # V3's own config.json names both
+    assert get_adapter("deepseek_v3").for_config(config).experts.router_settings

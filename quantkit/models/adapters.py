@@ -96,6 +96,9 @@ class MoeExperts:
     router_routes: bool = False
     # Mixtral scales expert outputs by fp32 routing weights; Qwen and OLMoE first cast them to the model's dtype
     fp32_routing_weights: bool = False
+    # config attributes the kept router module computes only with these values (DeepSeek-V3's noaux_tc top-k of
+    # sigmoid scores): a config naming another is refused before any work
+    router_settings: tuple[tuple[str, str], ...] = ()
     # (quantkit name part, checkpoint name part) pairs where on-disk checkpoints, and so vLLM's and transformers'
     # loaders, name this architecture's tensors otherwise; applied in order to every exported name
     checkpoint_names: tuple[tuple[str, str], ...] = ()
@@ -149,6 +152,7 @@ class ArchAdapter:
         """This entry with its "*" names expanded for the config's expert count (dense models: itself)."""
         if self.experts is None:
             return self
+        self.check_router(config)
         count = getattr(config, self.experts.count)
         return replace(
             self,
@@ -157,6 +161,13 @@ class ArchAdapter:
                         for group in self.fused for e in (range(count) if "*" in group[0] else (0,))),
             scaling_groups=tuple(g for group in self.scaling_groups for g in group.expand(count)),
         )
+
+    def check_router(self, config: object) -> None:
+        """Refuses, in one line, a config whose router this entry does not compute (MoeExperts.router_settings)."""
+        for key, value in () if self.experts is None else self.experts.router_settings:
+            if getattr(config, key, value) != value:
+                raise QuantizationError(f"{self.name}: the router's {key}={getattr(config, key)!r} is not covered "
+                                        f"(the entry routes as {key}={value!r} only)")
 
     def keeping(self, unquantized: tuple[str, ...]) -> ArchAdapter:
         """This entry with the `unquantized` linears left in the model's dtype: out of the steps and fused groups;
@@ -304,8 +315,8 @@ def _moe(name: str, model_types: tuple[str, ...], experts: MoeExperts,
 # routed experts with one ungated shared MLP, the router kept whole (quantkit computes nothing of it); the entry keeps
 # MLA_UNQUANTIZED in 16 bits (benchmarks/bench_mla_projections.py starts from every linear)
 DEEPSEEK_V3_EVERY_LINEAR = _moe("deepseek_v3", ("deepseek_v3", "kimi_k2"), MoeExperts(
-    count="n_routed_experts", shared_expert="mlp.shared_experts", router_routes=True, fp32_routing_weights=True),
-    attention=_MLA)
+    count="n_routed_experts", shared_expert="mlp.shared_experts", router_routes=True, fp32_routing_weights=True,
+    router_settings=(("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"))), attention=_MLA)
 
 ADAPTERS: tuple[ArchAdapter, ...] = (
     _llama_like("llama", ("llama",)),  # Llama 2/3, SmolLM2, Kanana
@@ -342,7 +353,14 @@ ADAPTERS: tuple[ArchAdapter, ...] = (
 )
 
 # Architectures that look supported but need what no entry can say yet: refused with the reason.
-REFUSED: dict[str, str] = {}
+REFUSED: dict[str, str] = {
+    "deepseek_v32": "DeepSeek-V3.2's sparse attention (its lightning indexer and top-k key selection) has no entry; "
+                    "the deepseek_v3 entry covers dense MLA only",
+    "deepseek_v2": "DeepSeek-V2's softmax router (topk_method greedy / group_limited_greedy) has no entry; the "
+                   "deepseek_v3 entry covers the sigmoid noaux_tc router only",
+    "kimi_k25": "Kimi-K2.5 is a vision-language model; only its text form (model_type kimi_k2 / deepseek_v3) has an "
+                "entry",
+}
 
 
 _BY_MODEL_TYPE = {model_type: adapter for adapter in ADAPTERS for model_type in adapter.model_types}
