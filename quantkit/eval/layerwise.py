@@ -84,8 +84,8 @@ class _Model:
         device (tied ones too: the head keeps its own copy)."""
         outer = self.adapter.outer
         weight = self.model.get_submodule(outer.lm_head).weight.detach()
-        narrow = next((weight.to(dtype) for dtype in (torch.bfloat16, torch.float16)
-                       if weight.dtype == torch.float32 and torch.equal(weight.to(dtype).float(), weight)), weight)
+        narrow = next((n for n in map(lambda dtype: _exactly_in(weight, dtype), (torch.bfloat16, torch.float16))
+                       if n is not None), weight) if weight.dtype == torch.float32 else weight
         for name in (outer.embeddings[0], outer.lm_head):
             self.model.get_submodule(name).to("meta")
         return narrow
@@ -150,6 +150,19 @@ def _layerwise_scores(sources: list[str | Path], windows: dict[str, torch.Tensor
         if reference is None:
             reference = (model, hidden)
     return _scores_per_label(windows, sums)
+
+
+def _exactly_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """`weight` in `dtype` if that holds every value exactly, else None; a block of rows at a time (no full-size
+    temporaries)."""
+    narrow = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    rows = max(1, NLL_CHUNK_ELEMENTS // weight.shape[-1])
+    for start in range(0, weight.shape[0], rows):
+        block = weight[start:start + rows]
+        narrow[start:start + rows] = block
+        if not torch.equal(narrow[start:start + rows].float(), block):
+            return None
+    return narrow
 
 
 def _position_slices(positions: int, vocab: int) -> list[slice]:
