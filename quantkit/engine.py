@@ -148,6 +148,23 @@ class _ResidentLayers:
         layer.to("cpu")
 
 
+@dataclass(frozen=True)
+class LayerHooks:
+    """How a run reaches its layers and what it does around them (quantkit.streaming sets them; the defaults are the
+    in-memory path): `source` loads layer i's weights before its step and releases them after;
+    `on_layer_done(i, layer, outputs, entry)` sees each finished layer, still on the device, before its release;
+    a resumed run starts at `start_layer` with `hidden_states` (the inputs of that layer per batch) instead of the
+    captured layer-0 inputs; `on_inputs_captured()` runs once the model outside the decoder layers has done its
+    part; with several `ranks` (quantkit.distributed), each solves its share of every step."""
+
+    source: LayerSource = field(default_factory=_ResidentLayers)
+    on_layer_done: Callable[[int, nn.Module, list[torch.Tensor], dict], None] | None = None
+    start_layer: int = 0
+    hidden_states: list[torch.Tensor] | None = None
+    on_inputs_captured: Callable[[], None] | None = None
+    ranks: Ranks = SINGLE
+
+
 def _replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
@@ -294,24 +311,13 @@ def quantize_model(
     device: torch.device | str | None = None,
     batch_size: int = 8,
     show_progress: bool = True,
-    layer_source: LayerSource | None = None,
-    on_layer_done: Callable[[int, nn.Module, list[torch.Tensor], dict], None] | None = None,
-    start_layer: int = 0,
-    hidden_states: list[torch.Tensor] | None = None,
     offload_dir: Path | None = None,
-    on_inputs_captured: Callable[[], None] | None = None,
-    ranks: Ranks = SINGLE,
+    hooks: LayerHooks = LayerHooks(),
 ) -> QuantReport:
     """Quantize every decoder-layer linear of `model` in place, layer by layer; returns the report.
 
-    Streaming hook (quantkit.streaming): `layer_source` loads layer i's weights before its step and
-    releases them after (default: the layers are already resident, and go back to the CPU);
-    `on_layer_done(i, layer, outputs, entry)` sees each finished layer, still on the device, before its release;
-    a resumed run starts at `start_layer` with `hidden_states` (the inputs of that layer per batch) instead of
-    the captured layer-0 inputs; `on_inputs_captured()` runs once the model outside the decoder layers has done
-    its part; with several `ranks` (quantkit.distributed), each solves its share of every step.
     The hidden states wait between layers on the device, in host memory or under `offload_dir`
-    (quantkit.streaming.hidden picks the first that fits).
+    (quantkit.streaming.hidden picks the first that fits); `hooks` (LayerHooks) stream the layers.
     """
     from quantkit.streaming.hidden import open_store  # quantkit.streaming imports this module
 
@@ -331,26 +337,27 @@ def quantize_model(
         log.info("capturing the first layer's inputs (%d calibration samples)", len(calib))
         with timer("capture"):
             inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
-    if hidden_states is not None:
-        inputs = hidden_states
-    if on_inputs_captured is not None:
-        on_inputs_captured()
+    if hooks.hidden_states is not None:
+        inputs = hooks.hidden_states
+    if hooks.on_inputs_captured is not None:
+        hooks.on_inputs_captured()
     store = open_store(inputs, layers, device, offload_dir)
     inputs = store.hold(inputs)
-    layer_source = layer_source or _ResidentLayers()
+    ranks = hooks.ranks
     guarded = method.needs_calibration and method.rtn_guard
     layers_start = time.perf_counter()
     progress = Progress(TextColumn("[bold]quantizing {task.fields[method]}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("{task.fields[note]}"),
                         disable=not (show_progress and ranks.writer))
     with progress, store:
-        task = progress.add_task("layers", total=len(layers), completed=start_layer, method=config.method, note="")
+        task = progress.add_task("layers", total=len(layers), completed=hooks.start_layer, method=config.method,
+                                 note="")
         for i, layer in enumerate(layers):
-            if i < start_layer:
+            if i < hooks.start_layer:
                 continue
             t0 = time.perf_counter()
             with timer("transfer"):
-                layer_source.load(i, layer, device)
+                hooks.source.load(i, layer, device)
             ctx = LayerContext(i, layer, adapter, inputs, _move(layer_kwargs[i], device), masks, device)
             calibration.attach(layer, ctx)
             original = snapshot(layer) if guarded and _guard_fits(layer, device, i) else None
@@ -381,12 +388,12 @@ def quantize_model(
             calibration.check(layer, i)
             entry["seconds"] = time.perf_counter() - t0
             report.layers.append(entry)
-            if on_layer_done is not None:
-                on_layer_done(i, layer, inputs, entry)  # the layer still on the device: packing is fast there
+            if hooks.on_layer_done is not None:
+                hooks.on_layer_done(i, layer, inputs, entry)  # the layer still on the device: packing is fast there
             with timer("transfer"):
-                layer_source.release(i, layer)
-            done = i + 1 - start_layer
-            note = f"{entry['seconds']:.1f}s/layer, ETA {_eta(layers_start, done, len(layers) - start_layer)}, " \
+                hooks.source.release(i, layer)
+            done = i + 1 - hooks.start_layer
+            note = f"{entry['seconds']:.1f}s/layer, ETA {_eta(layers_start, done, len(layers) - hooks.start_layer)}, " \
                    f"{_memory_note(device)}"
             progress.update(task, advance=1, note=note)
             if ranks.writer and not progress.console.is_terminal:  # a log file: one line per layer instead of a bar

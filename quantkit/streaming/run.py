@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.distributed import SINGLE, Ranks
-from quantkit.engine import QuantReport, quantize_model
+from quantkit.engine import LayerHooks, QuantReport, quantize_model
 from quantkit.export import (
     ExportPlan,
     cast_dense,
@@ -190,12 +190,10 @@ def quantize_streaming(
                 work.save_layer(index, layer_export_tensors(index, layer, adapter, fmt, torch_dtype), outputs, entry)
 
         try:
+            hooks = LayerHooks(layer_source, on_layer_done, start, work.hidden_states(start) if start else None,
+                               lambda: release_outside_layers(model, adapter, ckpt), ranks)
             report = quantize_model(model, adapter, calib, config, device=device, batch_size=batch_size,
-                                    show_progress=show_progress, layer_source=layer_source,
-                                    on_layer_done=on_layer_done, start_layer=start,
-                                    on_inputs_captured=lambda: release_outside_layers(model, adapter, ckpt),
-                                    hidden_states=work.hidden_states(start) if start else None,
-                                    offload_dir=offload_dir, ranks=ranks)
+                                    show_progress=show_progress, offload_dir=offload_dir, hooks=hooks)
         except BaseException:
             work.flush(raising=False)  # what finished before the failure stays for the resume
             raise
