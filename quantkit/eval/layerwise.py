@@ -27,7 +27,7 @@ from quantkit.models.moe import unfuse_experts
 from quantkit.quantizers.context import LayerContext
 from quantkit.reload import ExportReader
 from quantkit.streaming import open_streamed_model
-from quantkit.streaming.skeleton import StreamedLayers, large_allocations_mapped
+from quantkit.streaming.skeleton import StreamedLayers, large_allocations_mapped, return_freed_memory
 
 log = logging.getLogger("quantkit")
 
@@ -64,6 +64,7 @@ class _Model:
                 self.layers.release(index, layer)
             else:
                 layer.to("meta")
+                return_freed_memory()  # as StreamedLayers.release: freed layers otherwise stay in glibc's arenas
 
     @torch.no_grad()
     def final_hidden_states(self, calib: CalibrationSet, batch_size: int) -> list[torch.Tensor]:
