@@ -530,3 +530,16 @@ def test_sigkill_at_seeded_moments_then_resume_gives_the_same_bytes(with_tokeniz
     assert _digest(out) == expected
     assert not work_dir_for(out).exists()
     assert "resuming" in " ".join("".join(logs).split())
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq", "qqq"])
+def test_every_method_quantizes_a_deepseek_fp8_source_as_its_dequantized_values(tmp_path, single_thread,
+                                                                                method: str) -> None:
+    """The other methods (GPTQ above) on the FP8 copy: the export's weights are those of the dequantized copy's."""
+    source = _moe_checkpoint(tmp_path / "src", "deepseek_v3")
+    _fp8_copies(source, tmp_path / "fp8", tmp_path / "widened")
+    fmt = "compressed-tensors"
+    expected, _ = _streamed(tmp_path / "widened", CONFIGS[method], fmt, tmp_path / "from_widened")
+    out, _ = _streamed(tmp_path / "fp8", CONFIGS[method], fmt, tmp_path / "from_fp8")
+    weights = [name for name in _digest(out) if name != "config.json"]
+    assert weights and {n: _digest(out)[n] for n in weights} == {n: _digest(expected)[n] for n in weights}
