@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from test_streaming import PAUSE, _command, _digest, _env, with_tokenizer  # noqa: F401 (a fixture)
+from test_streaming import PAUSE, _command, _digest, _env, _moe_checkpoint
 
 from quantkit.distributed import Ranks
 from quantkit.streaming.workdir import PAUSE_MARK, work_dir_for
@@ -44,11 +44,14 @@ def _rank_pid(agent: int, rank: int) -> int | None:
     return None
 
 
-def test_two_ranks_killed_then_resumed_give_one_process_bytes(with_tokenizer, tmp_path) -> None:  # noqa: F811
+def test_two_ranks_killed_then_resumed_give_one_process_bytes(smollm2_gguf, tmp_path) -> None:
     """`torchrun --nproc-per-node 2 -m quantkit quantize ...` on the CPU: rank 1 is SIGKILLed while rank 0 writes
     layer 1 (torchrun stops rank 0); nothing is at the output; the rerun resumes from the finished layers and
-    publishes the bytes of a one-process run. Dense, and MoE (experts spread over the ranks)."""
-    source, _, _ = with_tokenizer
+    publishes the bytes of a one-process run. A Qwen3-MoE checkpoint: its dense steps (q/k/v, o: one group, solved
+    by rank 0 while rank 1 takes no share) and its experts (spread over both ranks)."""
+    from quantkit.models.loading import load_tokenizer
+
+    source = _moe_checkpoint(tmp_path / "moe", "qwen3_moe", load_tokenizer(str(smollm2_gguf)))
     whole = tmp_path / "whole"
     subprocess.run(_command(source, whole), env=_env(0), check=True, capture_output=True, timeout=120)
     out = tmp_path / "out"

@@ -481,7 +481,7 @@ def _env(pause: float) -> dict[str, str]:
     return {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1", PAUSE_ENV: str(pause)}
 
 
-KILLS, PAUSE = 5, 0.3
+KILLS, PAUSE = 4, 0.3
 PAUSES_PER_LAYER, PAUSES_TO_PUBLISH = 4, 2  # pre-write, after layer file, after hidden states, after manifest
 
 
