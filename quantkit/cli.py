@@ -401,7 +401,9 @@ def _quantize_streamed(job: QuantizeJob, lm, ckpt, tokenizer, calib_set, config:
                                      device=work_device, batch_size=job.batch_size, overwrite=job.overwrite,
                                      resume=job.resume, offload_dir=job.offload_dir,
                                      resume_interval=job.resume_interval, ranks=ranks)
-    if report is None or not ranks.writer:
+    if not ranks.writer:  # rank 0 reports and evaluates
+        return
+    if report is None:
         console.print(f"the export of this command was already complete -> [bold]{out}[/]")
         return
     _print_summary(report, out)
