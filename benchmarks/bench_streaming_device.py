@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, Pr
 
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
+from quantkit.distributed import ranks_from_environment
 from quantkit.streaming import open_streamed_model, quantize_streaming
 
 GIB = 2**30
@@ -212,9 +213,13 @@ def main() -> None:
     shape = args.shape
     *_, vocab, experts, nsamples, seqlen, depth = SHAPES[shape]
     source, output = args.work_dir / "checkpoint", args.work_dir / "export"
-    shutil.rmtree(args.work_dir, ignore_errors=True)
+    ranks = ranks_from_environment()  # under torchrun: rank 0 writes the checkpoint, every rank quantizes
     start = time.perf_counter()
-    size = write_checkpoint(source, model_config(shape, args.layers), device)
+    if ranks.writer:
+        shutil.rmtree(args.work_dir, ignore_errors=True)
+        write_checkpoint(source, model_config(shape, args.layers), device)
+    ranks.barrier()
+    size = folder_bytes(source)
     write_seconds = time.perf_counter() - start
     logging.info("wrote %d layers, %.1f GiB in %.0f s", args.layers, size / GIB, write_seconds)
     if device.type == "cuda":
@@ -222,15 +227,19 @@ def main() -> None:
     ids = torch.randint(0, vocab, (nsamples, seqlen), generator=torch.Generator().manual_seed(0))
     calib = CalibrationSet(ids, torch.ones_like(ids))
     config = QuantConfig(method="gptq", bits=4, group_size=128)  # act-order, as `quantkit quantize` runs it
-    cold = drop_page_cache()
+    cold = drop_page_cache() if ranks.writer else False
+    ranks.barrier()
     start = time.perf_counter()
     model, ckpt = open_streamed_model(str(source), torch.bfloat16 if device.type == "cuda" else torch.float32)
     _, report = quantize_streaming(model, ckpt, None, calib, config, "gptq", output, device=device,
-                                   batch_size=args.batch_size, show_progress=False, offload_dir=args.offload_dir)
+                                   batch_size=args.batch_size, show_progress=False, offload_dir=args.offload_dir,
+                                   ranks=ranks)
     total = time.perf_counter() - start
+    if not ranks.writer:
+        return
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "shape": shape,
-        "layers": args.layers, "nsamples": nsamples, "seqlen": seqlen, "batch_size": args.batch_size,
+        "layers": args.layers, "ranks": ranks.world, "nsamples": nsamples, "seqlen": seqlen, "batch_size": args.batch_size,
         "checkpoint_bytes": size, "write_seconds": write_seconds, "total_seconds": total,
         "engine_seconds": report.seconds, "layer_seconds": [e["seconds"] for e in report.layers],
         "phase_seconds": report.timings,
