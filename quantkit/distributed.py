@@ -52,11 +52,11 @@ class Ranks:
         if self.world == 1:
             return results
         gathered: list[dict[str, QuantizedWeight] | None] = [None] * self.world
-        dist.all_gather_object(gathered, {name: _on(qw, "cpu") for name, qw in results.items()})
+        dist.all_gather_object(gathered, {name: qw.to("cpu") for name, qw in results.items()})
         merged = dict(results)
         for rank, theirs in enumerate(gathered):
             if rank != self.rank:
-                merged |= {name: _on(qw, device) for name, qw in (theirs or {}).items()}
+                merged |= {name: qw.to(device) for name, qw in (theirs or {}).items()}
         return merged
 
     def from_writer(self, value):
@@ -73,13 +73,6 @@ class Ranks:
 
 
 SINGLE = Ranks()
-
-
-def _on(qw: QuantizedWeight, device: torch.device | str) -> QuantizedWeight:
-    moved = {name: getattr(qw, name).to(device) for name in ("codes", "scales", "zeros")}
-    channel = None if qw.channel_scales is None else qw.channel_scales.to(device)
-    return QuantizedWeight(**moved, bits=qw.bits, group_size=qw.group_size, sym=qw.sym, channel_scales=channel,
-                           info=qw.info)
 
 
 def ranks_from_environment() -> Ranks:

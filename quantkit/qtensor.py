@@ -12,7 +12,7 @@ and compressed-tensors' signed int4 [-8, 7] mean once 8 is added. Groups are con
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -44,6 +44,12 @@ class QuantizedWeight:
         in_features = self.codes.shape[1]
         size = in_features if self.group_size == -1 else self.group_size
         return torch.arange(in_features, device=self.codes.device) // size
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """The same weight with its tensors on `device`."""
+        channel = None if self.channel_scales is None else self.channel_scales.to(device)
+        return replace(self, codes=self.codes.to(device), scales=self.scales.to(device), zeros=self.zeros.to(device),
+                       channel_scales=channel)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         g = self.group_index()

@@ -84,12 +84,15 @@ class _Model:
         half the bytes of the CPU's fp32 copy), else as it is; the embeddings, needed no more, go to the meta
         device (tied ones too: the head keeps its own copy)."""
         outer = self.adapter.outer
-        weight = self.model.get_submodule(outer.lm_head).weight.detach()
-        narrow = next((n for n in map(lambda dtype: _exactly_in(weight, dtype), (torch.bfloat16, torch.float16))
-                       if n is not None), weight) if weight.dtype == torch.float32 else weight
+        head = self.model.get_submodule(outer.lm_head).weight.detach()
+        for dtype in (torch.bfloat16, torch.float16) if head.dtype == torch.float32 else ():
+            narrow = _exactly_in(head, dtype)
+            if narrow is not None:
+                head = narrow
+                break
         for name in (outer.embeddings[0], outer.lm_head):
             self.model.get_submodule(name).to("meta")
-        return narrow
+        return head
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits of the given positions [B, T, H] as the model's forward computes them, the head widened
@@ -141,13 +144,14 @@ def _layerwise_scores(sources: list[str | Path], windows: dict[str, torch.Tensor
         for b, target in enumerate(targets):
             for row in range(len(target)):  # a window at a time, a slice of its positions' logits at a time
                 nll.append(0.0)
-                kl.append(0.0)
+                if reference is not None:
+                    kl.append(0.0)
                 for positions in _position_slices(target.shape[1], model.head.shape[0]):
                     logits = model.logits(hidden[b][row:row + 1, positions])
                     nll[-1] += summed_nll(logits, target[row:row + 1, positions])
                     if reference is not None:
                         kl[-1] += summed_kl(reference[0].logits(reference[1][b][row:row + 1, positions]), logits)
-        sums.append((nll, kl if reference is not None else []))
+        sums.append((nll, kl))
         if reference is None:
             reference = (model, hidden)
     return _scores_per_label(windows, sums)
