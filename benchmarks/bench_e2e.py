@@ -38,6 +38,7 @@ from bench_kernels import printing_log, random_layer, relative_error, run_meta
 from quantkit.kernels.layout import pack_along_rows
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from quantkit.eval.report import decode_curve, throughput_at
 from quantkit.eval.speed import compiled_step, median_seconds
 from quantkit.eval.static_decoder import StaticDecoder
 from quantkit.models import get_adapter
@@ -229,6 +230,26 @@ def time_scheme(decoder: StaticDecoder, batches: list[int], compiled_batches: li
     return rows
 
 
+def equal_latency_lines(results: dict) -> list[str]:
+    """The compiled decode steps as a throughput-latency curve: at each of fp16's step times, each scheme's tokens/s
+    within that time (quantkit.eval.report.throughput_at) over fp16's."""
+    base = decode_curve(results.get("fp16", {}), "_compiled")
+    schemes = [s for s in results if s != "fp16" and len(decode_curve(results[s], "_compiled")) > 1]
+    if len(base) < 2 or not schemes:
+        return []
+    lines = ["", "At equal latency (compiled steps): each scheme's tokens/s within fp16's step time at each batch, "
+             "over fp16's (n/a: outside the scheme's sweep)", "",
+             "| fp16 step | fp16 tokens/s | " + " | ".join(f"{s} tokens/s, speedup" for s in schemes) + " |",
+             "|---|---|" + "---|" * len(schemes)]
+    for batch, ms, tps in base:
+        cells = []
+        for scheme in schemes:
+            found = throughput_at(decode_curve(results[scheme], "_compiled"), ms)
+            cells.append("n/a" if found is None else f"{found:.0f}, {found / tps:.2f}x")
+        lines.append(f"| {ms:.3f} ms (batch {batch}) | {tps:.0f} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(meta: dict, results: dict) -> str:
     lines = [f"# End to end, Llama-3-8B shapes ({meta['layers']} layers), {meta['device']}", "",
              f"- date: {meta['date']}", f"- command: `{meta['command']}`", f"- git commit: {meta['commit']}",
@@ -242,6 +263,7 @@ def markdown(meta: dict, results: dict) -> str:
             share = f" ({row['roof_fraction']:.0%})" if row.get("roof_fraction") is not None else ""
             read = f"{row['GBps']:.0f}{share}" if "GBps" in row else ""
             lines.append(f"| {scheme} | {cell} | {row['ms']:.3f} | {row['tokens_per_s']:.0f} | {speedup:.2f}x | {read} |")
+    lines += equal_latency_lines(results)
     lines += ["", "GPU memory once built (weights, the cache of one sequence): " + ", ".join(
         f"{scheme} {rows['gpu_GB']:.2f} GB" for scheme, rows in results.items() if "gpu_GB" in rows)]
     attention = results.get("fp16", {}).get("check_attention")

@@ -43,6 +43,7 @@ def _setup_logging(verbose: bool) -> None:
 
 DEBUG_ENV = "QUANTKIT_DEBUG"
 USER_ERRORS = (QuantizationError, ValueError, OSError)  # FileNotFoundError, PermissionError, a full disk
+GPU_SPEED_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128)  # `quantkit eval --speed` on a GPU: the throughput-latency curve
 
 
 def _one_line(text: str) -> str:
@@ -450,7 +451,7 @@ def evaluate_cmd(
     speculative: Annotated[bool, typer.Option("--speculative", help="each model after the first as a speculative-decoding draft for the first")] = False,
     draft_tokens: Annotated[str, typer.Option(help="with --speculative: comma-separated draft lengths")] = "1,2,4,8",
     speed: Annotated[bool, typer.Option("--speed", help="time decode steps and a prefill (CUDA graphs on a GPU)")] = False,
-    speed_batches: Annotated[str, typer.Option(help="with --speed: comma-separated decode batch sizes")] = "1",
+    speed_batches: Annotated[str, typer.Option(help="with --speed: comma-separated decode batch sizes (auto: 1 to 128 by powers of 2 on a GPU, 1 on a CPU)")] = "auto",
     speed_compile: Annotated[bool, typer.Option("--speed-compile", help="with --speed: decode steps through torch.compile")] = False,
     report: Annotated[Path | None, typer.Option("--report", help="folder for JSON, Markdown and plots")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write all metrics as JSON")] = None,
@@ -474,20 +475,29 @@ def evaluate_cmd(
 
     def work() -> None:
         lengths = _int_list("--draft-tokens", draft_tokens) if speculative else None
-        batches = _int_list("--speed-batches", speed_batches) if speed else None
-        if batches is not None and (not batches or min(batches) < 1):
-            raise ValueError(f"--speed-batches {speed_batches!r}: give batch sizes >= 1")
+        work_device = resolve_device(device)
+        batches = _speed_batches(speed_batches, work_device) if speed else None
         check_eval_request(models=models, texts=text, report_dir=report, json_path=json_path, seqlen=seqlen,
                            max_windows=max_windows, batch_size=batch_size, max_new_tokens=max_new_tokens,
                            limit=limit, num_fewshot=num_fewshot)
         run_eval(models, texts=text, tasks=[t for t in tasks.split(",") if t], limit=limit,
                  num_fewshot=num_fewshot, generations=generations, report_dir=report, json_path=json_path,
-                 batch_size=batch_size, device=resolve_device(device), backend=backend, seqlen=seqlen, console=Console(),
+                 batch_size=batch_size, device=work_device, backend=backend, seqlen=seqlen, console=Console(),
                  max_windows=max_windows, max_new_tokens=max_new_tokens, draft_tokens=lengths,
                  speed_batches=batches, speed_compile="inductor" if speed_compile else None,
                  layerwise=True if layerwise else None)
 
     _guarded(work, debug)
+
+
+def _speed_batches(requested: str, device: str) -> list[int]:
+    """--speed-batches: the throughput-latency sweep of a serving GPU (1 to 128) by default, one sequence on a CPU."""
+    if requested == "auto":
+        return list(GPU_SPEED_SWEEP) if device.startswith("cuda") else [1]
+    batches = _int_list("--speed-batches", requested)
+    if not batches or min(batches) < 1:
+        raise QuantizationError(f"--speed-batches {requested!r}: give batch sizes >= 1")
+    return batches
 
 
 def _int_list(option: str, text: str) -> list[int]:

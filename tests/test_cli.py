@@ -325,3 +325,12 @@ def test_a_deepseek_variant_without_an_entry_is_refused_from_its_config_alone(tm
     (folder / "config.json").write_text(json.dumps({"model_type": "deepseek_v32", "n_routed_experts": 256}))
     result = _quantize(str(folder), "--output", str(tmp_path / "q"))
     assert result.exit_code == 2 and "lightning indexer" in result.output and not (tmp_path / "q").exists()
+
+
+def test_speed_batches_default_to_the_gpu_sweep_and_one_sequence_on_a_cpu() -> None:
+    assert cli._speed_batches("auto", "cuda") == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert cli._speed_batches("auto", "cuda:1") == cli._speed_batches("auto", "cuda")
+    assert cli._speed_batches("auto", "cpu") == [1] and cli._speed_batches("1,16", "cpu") == [1, 16]
+    for bad in ("0", "", "1,x"):
+        with pytest.raises(cli.QuantizationError, match="--speed-batches"):
+            cli._speed_batches(bad, "cpu")

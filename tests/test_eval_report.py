@@ -152,3 +152,38 @@ def test_run_eval_end_to_end_on_a_tiny_model(tiny_lm, tmp_path):  # noqa: F811
     assert base["tasks"]["winogrande"]["n"] == 3 and set(base["tasks"]["boolq"]["metrics"]) == {"acc"}
     assert base["perplexity"]["sample"]["ppl"] > 1
     assert len(base["generations"]) == 2
+
+
+def _timed(steps: dict[int, float]) -> dict:
+    """measure_speed's dict for decode steps {batch: ms} and a prefill."""
+    speed = {"device": "cpu", "compiled": None, "prompt": 512, "attention": "SDPA",
+             "prefill_512": {"ms": 50.0, "tokens_per_s": 512 / 0.05}}
+    speed |= {f"decode_b{batch}": {"ms": ms, "tokens_per_s": 1e3 * batch / ms} for batch, ms in steps.items()}
+    return speed
+
+
+def test_throughput_at_interpolates_between_the_bracketing_batches() -> None:
+    curve = report.decode_curve(_timed({16: 20.0, 1: 5.0, 4: 8.0}))
+    assert curve == [(1, 5.0, 200.0), (4, 8.0, 500.0), (16, 20.0, 800.0)]  # by batch, cells of other kinds left out
+    assert report.throughput_at(curve, 10.0) == pytest.approx(500 + 300 * 2 / 12)
+    assert report.throughput_at(curve, 20.0) == 800.0 and report.throughput_at(curve, 5.0) == 200.0
+    assert report.throughput_at(curve, 4.0) is None and report.throughput_at(curve, 21.0) is None
+    # a step time reached twice (a slower batch between faster ones): the better throughput there
+    bumpy = [(1, 5.0, 200.0), (2, 9.0, 222.2), (4, 8.0, 500.0)]
+    assert report.throughput_at(bumpy, 8.5) == pytest.approx(max(200 + 22.2 * 3.5 / 4, 500 - 277.8 * 0.5 / 1))
+    assert report.decode_curve({"decode_b8_compiled": {"ms": 2.0, "tokens_per_s": 4e3}}, "_compiled") == [(8, 2.0, 4e3)]
+
+
+def test_report_gives_speedups_at_equal_latency_and_the_fastest_per_step(tmp_path) -> None:
+    results = copy.deepcopy(SYNTHETIC)
+    results["config"] |= {"speed_batches": [1, 4, 16], "speed_compile": None}
+    results["models"][0]["speed"] = _timed({1: 10.0, 4: 20.0, 16: 40.0})
+    results["models"][1]["speed"] = _timed({1: 5.0, 4: 8.0, 16: 20.0})
+    written = report.write_report(results, tmp_path)
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
+    # fp16 at 10 ms serves 100 tokens/s; w4a16 within 10 ms: 550 (between its batches 4 and 16), 5.5x
+    assert "| 10.00 ms (batch 1) | 100 | 550 | 5.50x |" in markdown
+    assert "| 20.00 ms (batch 4) | 200 | 800 | 4.00x |" in markdown
+    assert "| 40.00 ms (batch 16) | 400 | n/a | n/a |" in markdown  # past the end of w4a16's sweep
+    assert "| decode_b16 | w4a16 | 2.00x |" in markdown and "| prefill_512 | fp16 | 1.00x |" in markdown
+    assert written["speed"].read_bytes()[:4] == b"\x89PNG" and "![speed](speed.png)" in markdown

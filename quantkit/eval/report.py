@@ -9,8 +9,10 @@ when speculative decoding was measured "speculative": quantkit.eval.speculative.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 from rich.table import Table
@@ -109,6 +111,50 @@ def speed_rows(results: dict) -> list[list[str]]:
         values = [f"{e['ms']:.2f} ms, {e['tokens_per_s']:.0f} tok/s" if e else "n/a" for e in found]
         speedups = [f"{found[0]['ms'] / e['ms']:.2f}x" if e and found[0] else "n/a" for e in found[1:]]
         rows.append([cell, *values, *speedups])
+    return rows
+
+
+def decode_curve(speed: dict, suffix: str = "") -> list[tuple[int, float, float]]:
+    """(batch, ms per step, tokens/s) of each timed decode step (cells decode_b{B}{suffix}), by batch size."""
+    cell_name = re.compile(rf"decode_b(\d+){re.escape(suffix)}")
+    return sorted((int(found.group(1)), entry["ms"], entry["tokens_per_s"]) for cell, entry in speed.items()
+                  if (found := cell_name.fullmatch(cell)) and isinstance(entry, dict))
+
+
+def throughput_at(curve: list[tuple[int, float, float]], ms: float) -> float | None:
+    """Tokens/s the model serves at a step time of `ms`: interpolated linearly in step time between two consecutive
+    timed batch sizes whose step times bracket it (the best such pair); None where no pair does: every timed step
+    is slower than `ms`, or every one faster (the sweep ends before that latency)."""
+    candidates = [tps for _, step_ms, tps in curve if step_ms == ms]
+    for (_, ms0, tps0), (_, ms1, tps1) in itertools.pairwise(curve):
+        if ms0 != ms1 and min(ms0, ms1) <= ms <= max(ms0, ms1):
+            candidates.append(tps0 + (tps1 - tps0) * (ms - ms0) / (ms1 - ms0))
+    return max(candidates, default=None)
+
+
+def equal_latency_rows(results: dict) -> list[list[str]]:
+    """Per decode batch of the first model: its step time and tokens/s, then each later model's tokens/s at that
+    step time (throughput_at) and the ratio to the first's: the speedup a server gets at equal latency."""
+    curves = [decode_curve(m["speed"]) for m in results["models"]]
+    rows = []
+    for batch, ms, tps in curves[0]:
+        others = [throughput_at(curve, ms) for curve in curves[1:]]
+        rows.append([f"{ms:.2f} ms (batch {batch})", f"{tps:.0f}",
+                     *[f"{o:.0f}" if o is not None else "n/a" for o in others],
+                     *[f"{o / tps:.2f}x" if o is not None else "n/a" for o in others]])
+    return rows
+
+
+def fastest_rows(results: dict) -> list[list[str]]:
+    """Per timed decode batch and the prefill: the model with the shortest step and its speedup over the first."""
+    measured = [m["speed"] for m in results["models"]]
+    cells = list(dict.fromkeys(c for m in measured for c, e in m.items() if isinstance(e, dict)))
+    rows = []
+    for cell in cells:
+        timed = [(m[cell]["ms"], label) for m, label in zip(measured, _labels(results), strict=True) if cell in m]
+        ms, label = min(timed)
+        base = measured[0].get(cell)
+        rows.append([cell, label, f"{base['ms'] / ms:.2f}x" if base else "n/a"])
     return rows
 
 
@@ -238,6 +284,19 @@ def markdown_report(results: dict, plots: list[str]) -> str:
             *_markdown_table(speed_headers(results), speed_rows(results)),
             *[f"Not timed: {line}\n" for line in skipped],
         ]
+        if len(results["models"]) > 1 and len(decode_curve(results["models"][0]["speed"])) > 1:
+            lines += [
+                "At equal latency: at each of the first model's decode step times, the tokens/s each model serves "
+                "within that step time (interpolated between its two timed batch sizes that bracket it; n/a outside "
+                "its sweep) and the ratio to the first's.",
+                "",
+                *_markdown_table(["step time", *_labels(results),
+                                  *[f"speedup {label}" for label in _labels(results)[1:]]],
+                                 equal_latency_rows(results)),
+            ]
+        if fastest_rows(results):
+            lines += ["Fastest at each step:", "",
+                      *_markdown_table(["step", "fastest", "speedup over the first"], fastest_rows(results))]
     if results["models"][0]["generations"]:
         lines += ["## Generations", ""]
         for i, prompt in enumerate(results["prompts"]):
@@ -261,7 +320,8 @@ def _grouped_bars(
 
 
 def write_plots(results: dict, report_dir: Path) -> list[str]:
-    """accuracy.png (primary metric per task per model) and perplexity.png (per text), where there is data."""
+    """accuracy.png (primary metric per task per model), perplexity.png (per text) and speed.png (tokens/s against
+    ms per decode step, one line per model over its batch sizes), where there is data."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -288,6 +348,18 @@ def write_plots(results: dict, report_dir: Path) -> list[str]:
         ax.set_ylabel("perplexity")
         ax.set_title("Perplexity per text (lower is better)")
         written.append(_save(fig, report_dir / "perplexity.png"))
+    curves = {m["label"]: decode_curve(m["speed"]) for m in models if "speed" in m}
+    if any(len(curve) > 1 for curve in curves.values()):
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for label, curve in curves.items():
+            ax.plot([ms for _, ms, _ in curve], [tps for _, _, tps in curve], marker="o", label=label)
+            for batch, ms, tps in curve:
+                ax.annotate(str(batch), (ms, tps), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xlabel("ms per decode step (latency per token)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title("Throughput against latency (points: batch sizes)")
+        ax.legend()
+        written.append(_save(fig, report_dir / "speed.png"))
     plt.close("all")
     return written
 
