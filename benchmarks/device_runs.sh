@@ -6,6 +6,7 @@
 #   w4a8       the tuned W4A8 two-level g128 grid, M = 1 16 64 256 1024 4096                          (~4 min)
 #   e2e        the Llama-3-8B-shaped model end to end, compiled, with SDPA beside the kernel          (~4 min)
 #   batches    the same, compiled at batch 1 8 16 64 (#42's bars), fp16 and one scheme: `... batches COMMIT SCHEME` (~8 min)
+#   curve      fp16 and W4A16 compiled at batch 1 4 16 64 128: the throughput-latency curve, equal-latency speedups (~8 min)
 #   stream70b  streamed GPTQ of a Llama-3-70B-shaped checkpoint, 12 layers (~40 GB of local disk)    (~5 min)
 #   stream235b streamed GPTQ of a Qwen3-235B-A22B-shaped checkpoint, 3 layers (~17 GB of local disk)  (~6 min)
 #   deepseek   streamed GPTQ of a DeepSeek-V3-671B-shaped FP8 checkpoint, 2 layers (~52 GB of disk at peak) (~8 min)
@@ -38,6 +39,9 @@ case $part in
     scheme=${3:?batches needs a scheme: bash benchmarks/device_runs.sh batches COMMIT w4a16|w4a8}
     timeout 580 python benchmarks/bench_e2e.py --out "$OUT/batches_$scheme" --schemes "$scheme" --batches 1 8 16 64 \
       --compiled-batches 1 8 16 64 ;;
+  curve)
+    timeout 580 python benchmarks/bench_e2e.py --out "$OUT/curve" --schemes w4a16 --batches 1 \
+      --compiled-batches 1 4 16 64 128 ;;
   stream70b)
     df -h /tmp | tail -1
     timeout 570 python benchmarks/bench_streaming_device.py --shape 70b --layers 12 --out "$OUT/stream70b" ;;
@@ -68,5 +72,5 @@ case $part in
     done ;;
   moe)
     timeout 560 python benchmarks/bench_moe.py --out "$OUT/moe" ;;
-  *) echo "unknown part $part: check, w4a16, w4a8, e2e, batches, stream70b, stream235b, deepseek, ranks235b, reload70b, layerwise70b, quantize or moe" >&2; exit 2 ;;
+  *) echo "unknown part $part: check, w4a16, w4a8, e2e, batches, curve, stream70b, stream235b, deepseek, ranks235b, reload70b, layerwise70b, quantize or moe" >&2; exit 2 ;;
 esac
