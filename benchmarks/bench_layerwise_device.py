@@ -30,7 +30,7 @@ from bench_streaming_device import GIB, drop_page_cache, model_config, write_che
 from quantkit.config import QuantConfig  # noqa: E402
 from quantkit.data import CalibrationSet  # noqa: E402
 from quantkit.eval import layerwise  # noqa: E402
-from quantkit.streaming import open_streamed_model, quantize_streaming  # noqa: E402
+from quantkit.streaming import StreamedRun, open_streamed_model, quantize_streaming  # noqa: E402
 
 FULL_DEPTH = 80
 
@@ -79,8 +79,9 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, ckpt = open_streamed_model(str(source), dtype)
     one = torch.zeros(1, 8, dtype=torch.long)
-    quantize_streaming(model, ckpt, None, CalibrationSet(one, torch.ones_like(one)), QuantConfig(
-        method="rtn", group_size=128), "compressed-tensors", export, device=device, show_progress=False)
+    run = StreamedRun(QuantConfig(method="rtn", group_size=128), "compressed-tensors", export, device=device,
+                      show_progress=False)
+    quantize_streaming(model, ckpt, None, CalibrationSet(one, torch.ones_like(one)), run)
     del model
     cold = drop_page_cache()
     windows = torch.randint(0, config.vocab_size, (args.windows, args.seqlen),

@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, Pr
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.distributed import ranks_from_environment
-from quantkit.streaming import open_streamed_model, quantize_streaming
+from quantkit.streaming import StreamedRun, open_streamed_model, quantize_streaming
 
 GIB = 2**30
 SHAPES = {  # name: (hidden, FFN (per expert), heads, kv heads, vocab, experts, samples, seqlen, full depth)
@@ -231,9 +231,9 @@ def main() -> None:
     ranks.barrier()
     start = time.perf_counter()
     model, ckpt = open_streamed_model(str(source), torch.bfloat16 if device.type == "cuda" else torch.float32)
-    _, report = quantize_streaming(model, ckpt, None, calib, config, "gptq", output, device=device,
-                                   batch_size=args.batch_size, show_progress=False, offload_dir=args.offload_dir,
-                                   ranks=ranks)
+    run = StreamedRun(config, "gptq", output, device=device, batch_size=args.batch_size, show_progress=False,
+                      offload_dir=args.offload_dir, ranks=ranks)
+    _, report = quantize_streaming(model, ckpt, None, calib, run)
     total = time.perf_counter() - start
     if not ranks.writer:
         return

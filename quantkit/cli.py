@@ -395,13 +395,13 @@ def _quantize_whole(job: QuantizeJob, lm, tokenizer, calib_set, config: QuantCon
 
 def _quantize_streamed(job: QuantizeJob, lm, ckpt, tokenizer, calib_set, config: QuantConfig, output: Path,
                        work_device: str, ranks: Ranks) -> None:
-    from quantkit.streaming import quantize_streaming
+    from quantkit.streaming import StreamedRun, quantize_streaming
 
     _phase(f"quantizing layer by layer, exporting to {output}")
-    out, report = quantize_streaming(lm, ckpt, tokenizer, calib_set, config, job.format, output, dtype=job.dtype,
-                                     device=work_device, batch_size=job.batch_size, overwrite=job.overwrite,
-                                     resume=job.resume, offload_dir=job.offload_dir,
-                                     resume_interval=job.resume_interval, ranks=ranks)
+    run = StreamedRun(config, job.format, output, dtype=job.dtype, device=work_device, batch_size=job.batch_size,
+                      overwrite=job.overwrite, resume=job.resume, offload_dir=job.offload_dir,
+                      resume_interval=job.resume_interval, ranks=ranks)
+    out, report = quantize_streaming(lm, ckpt, tokenizer, calib_set, run)
     if not ranks.writer:  # rank 0 reports and evaluates
         return
     if report is None:

@@ -33,7 +33,7 @@ from quantkit.qtensor import QuantizationError
 from quantkit.quantizers.gptq import GPTQOptions
 from quantkit.quantizers.qqq import QQQOptions
 from quantkit.reload import load_quantized
-from quantkit.streaming import open_streamed_model, quantize_streaming
+from quantkit.streaming import StreamedRun, open_streamed_model, quantize_streaming
 from quantkit.streaming.skeleton import StreamedLayers
 from quantkit.streaming.workdir import PAUSE_ENV, PAUSE_MARK, work_dir_for
 
@@ -74,8 +74,9 @@ def _in_memory(source: Path, config: QuantConfig, fmt: str, output: Path) -> Pat
 def _streamed(source: Path, config: QuantConfig, fmt: str, output: Path, **kwargs) -> tuple[Path, object]:
     model, ckpt = open_streamed_model(str(source), torch.float32)
     kwargs.setdefault("resume_interval", 0)  # every layer's outputs saved: each one a resume point
-    return quantize_streaming(model, ckpt, None, random_calibration(), config, fmt, output, dtype="float16",
-                              device="cpu", show_progress=False, **kwargs)
+    layer_source = kwargs.pop("layer_source", None)
+    run = StreamedRun(config, fmt, output, dtype="float16", device="cpu", show_progress=False, **kwargs)
+    return quantize_streaming(model, ckpt, None, random_calibration(), run, layer_source)
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +156,9 @@ def test_one_layer_materialized_and_at_most_one_read_ahead(tmp_path, single_thre
     counting.model = model
     layers = get_adapter(model).get_layers(model)
     assert all(next(layer.parameters()).is_meta for layer in layers)
-    _, report = quantize_streaming(model, ckpt, None, random_calibration(), CONFIGS["rtn"], "gptq",
-                                   tmp_path / "out", device="cpu", show_progress=False, layer_source=counting)
+    _, report = quantize_streaming(model, ckpt, None, random_calibration(),
+                                   StreamedRun(CONFIGS["rtn"], "gptq", tmp_path / "out", device="cpu",
+                                               show_progress=False), counting)
     assert len(report.layers) == depth
     assert counting.peak_live == 1 and counting.peak_seen == 1  # independent of depth
     assert counting.peak_held == 1 + read_ahead and counting.held == 0  # and the next layer's tensors, read ahead
@@ -186,9 +188,9 @@ def test_moe_streams_one_layer_at_a_time_with_the_in_memory_bytes(tmp_path, sing
     model, ckpt = open_streamed_model(str(source), torch.float32)
     counting = _CountingLayers(ckpt, get_adapter(model), torch.float32)
     counting.model = model
-    out, report = quantize_streaming(model, ckpt, None, random_calibration(), config, fmt, tmp_path / "streamed",
-                                     dtype="float16", device="cpu", show_progress=False, layer_source=counting,
-                                     resume_interval=0)
+    out, report = quantize_streaming(model, ckpt, None, random_calibration(),
+                                     StreamedRun(config, fmt, tmp_path / "streamed", dtype="float16", device="cpu",
+                                                 show_progress=False, resume_interval=0), counting)
     assert _digest(out) == expected
     assert counting.peak_live == 1 and counting.peak_seen == 1
     expert_linears = [n for n in report.layers[0]["linears"] if ".experts." in n]
@@ -331,8 +333,8 @@ def test_a_missing_expert_or_a_wrong_index_is_one_line_before_any_work(tmp_path)
     (source / "model.safetensors.index.json").write_text(json.dumps(index))
     model, ckpt = open_streamed_model(str(source), torch.float32)
     with pytest.raises(QuantizationError, match=re.escape(f"no tensor {lost!r} (1 missing in layer 2)")):
-        quantize_streaming(model, ckpt, None, random_calibration(), CONFIGS["rtn"], "gptq", tmp_path / "out",
-                           device="cpu", show_progress=False)
+        quantize_streaming(model, ckpt, None, random_calibration(),
+                           StreamedRun(CONFIGS["rtn"], "gptq", tmp_path / "out", device="cpu", show_progress=False))
     assert not (tmp_path / "out").exists() and not work_dir_for(tmp_path / "out").exists()
 
 
@@ -354,8 +356,9 @@ def test_moe_streams_from_fused_expert_tensors(tmp_path, single_thread, read_ahe
     (fused / "config.json").write_bytes((per_expert / "config.json").read_bytes())
     model, ckpt = open_streamed_model(str(fused), torch.float32)
     layers = StreamedLayers(ckpt, get_adapter(model), torch.float32, read_ahead=read_ahead)
-    out, _ = quantize_streaming(model, ckpt, None, random_calibration(), CONFIGS["gptq"], "gptq", tmp_path / "out",
-                                dtype="float16", device="cpu", show_progress=False, layer_source=layers)
+    out, _ = quantize_streaming(model, ckpt, None, random_calibration(),
+                                StreamedRun(CONFIGS["gptq"], "gptq", tmp_path / "out", dtype="float16", device="cpu",
+                                            show_progress=False), layers)
     weights = {name: digest for name, digest in _digest(out).items() if name != "config.json"}
     assert weights == {name: digest for name, digest in expected.items() if name != "config.json"}
     config = json.loads((out / "config.json").read_text())
@@ -380,8 +383,9 @@ def _crash_at(source: Path, output: Path, config: QuantConfig, layer: int, resum
     model, ckpt = open_streamed_model(str(source), torch.float32)
     crashing = _CrashAfter(ckpt, get_adapter(model), torch.float32, crash_at=layer)
     with pytest.raises(_Crash):
-        quantize_streaming(model, ckpt, None, random_calibration(), config, "gptq", output, device="cpu",
-                           show_progress=False, layer_source=crashing, resume_interval=resume_interval)
+        quantize_streaming(model, ckpt, None, random_calibration(),
+                           StreamedRun(config, "gptq", output, device="cpu", show_progress=False,
+                                       resume_interval=resume_interval), crashing)
     assert not output.exists() and work_dir_for(output).is_dir()
 
 

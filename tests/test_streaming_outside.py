@@ -11,7 +11,7 @@ from test_engine import random_calibration
 from test_streaming import CONFIGS, _checkpoint
 
 from quantkit.models import get_adapter
-from quantkit.streaming import open_streamed_model, quantize_streaming
+from quantkit.streaming import StreamedRun, open_streamed_model, quantize_streaming
 from quantkit.streaming.skeleton import read_outside_tensor, release_outside_layers
 
 
@@ -40,7 +40,8 @@ def test_outside_tensors_released_while_the_layers_run(tmp_path: Path, single_th
     layer = get_adapter(model).get_layers(model)[0]
     handle = layer.register_forward_pre_hook(
         lambda *_: seen.append(model.get_input_embeddings().weight.is_meta))
-    quantize_streaming(model, ckpt, None, random_calibration(), CONFIGS["gptq"], "gptq", tmp_path / "out",
-                       dtype="float16", device="cpu", show_progress=False)
+    quantize_streaming(model, ckpt, None, random_calibration(),
+                       StreamedRun(CONFIGS["gptq"], "gptq", tmp_path / "out", dtype="float16", device="cpu",
+                                   show_progress=False))
     handle.remove()
     assert seen and all(seen)

@@ -10,6 +10,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -131,50 +132,52 @@ def _settings(config: QuantConfig, fmt_name: str, torch_dtype: torch.dtype, mode
             "work_dtype": str(work_dtype), "device": device.type, "batch_size": batch_size}
 
 
-def quantize_streaming(
-    model: PreTrainedModel,
-    ckpt: SafetensorsCheckpoint,
-    tokenizer,
-    calib: CalibrationSet,
-    config: QuantConfig,
-    fmt_name: str,
-    output: str | Path,
-    *,
-    dtype: str = "auto",
-    device: torch.device | str | None = None,
-    batch_size: int = 8,
-    overwrite: bool = False,
-    resume: bool = True,
-    show_progress: bool = True,
-    layer_source: StreamedLayers | None = None,
-    offload_dir: Path | None = None,
-    resume_interval: float = RESUME_INTERVAL_S,
-    ranks: Ranks = SINGLE,
-) -> tuple[Path, QuantReport | None]:
-    """Quantize the skeleton from open_streamed_model layer by layer and write the export at `output`.
+@dataclass(frozen=True)
+class StreamedRun:
+    """One streamed `quantkit quantize`: what it writes and how it runs (the CLI builds it from its flags).
 
     `offload_dir`: where the calibration hidden states go when neither the device nor the host holds them.
     `resume_interval`: seconds between the saves of the hidden states a resume starts from (0: every layer).
     `ranks`: the processes sharing the run (quantkit.distributed); rank 0 alone writes the work folder and the export,
-    the others read the resume's hidden states from it.
+    the others read the resume's hidden states from it."""
+
+    config: QuantConfig
+    fmt_name: str
+    output: Path
+    dtype: str = "auto"
+    device: torch.device | str | None = None
+    batch_size: int = 8
+    overwrite: bool = False
+    resume: bool = True
+    show_progress: bool = True
+    offload_dir: Path | None = None
+    resume_interval: float = RESUME_INTERVAL_S
+    ranks: Ranks = SINGLE
+
+
+def quantize_streaming(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, tokenizer, calib: CalibrationSet,
+                       run: StreamedRun, layer_source: StreamedLayers | None = None) -> tuple[Path, QuantReport | None]:
+    """Quantize the skeleton from open_streamed_model layer by layer and write the export at run.output;
+    `layer_source` replaces the checkpoint's layer reader (tests count and crash its reads).
     Returns the output and the report (None when an earlier run of the same command had already
     published the export and was stopped while cleaning up)."""
+    config, fmt_name, dtype, batch_size, ranks = run.config, run.fmt_name, run.dtype, run.batch_size, run.ranks
     fmt = get_format(fmt_name)
     fmt.check(config)
-    output = Path(output).expanduser().resolve()
+    output = Path(run.output).expanduser().resolve()
     adapter = get_adapter(model)
     config = config.for_model(model, adapter)  # the skeleton's shapes are the checkpoint's
     torch_dtype = export_dtype(model, dtype)
     warn_on_scale_rounding(config, torch_dtype)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(run.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     settings = _settings(config, fmt_name, torch_dtype, model, device, batch_size)
-    work = WorkDir(work_dir_for(output), run_key(ckpt.fingerprint(), settings, calib), resume_interval)
+    work = WorkDir(work_dir_for(output), run_key(ckpt.fingerprint(), settings, calib), run.resume_interval)
     if output.exists() and work.published():
         if ranks.writer:
             log.warning("%s already holds this run's export; removing the leftover %s", output, work.path)
             work.remove()
         return output, None
-    check_output_target(output, overwrite)
+    check_output_target(output, run.overwrite)
     unfuse_experts(model, adapter)  # the layers' per-expert names, which the checkpoint must hold
     layer_source = layer_source or StreamedLayers(ckpt, adapter, next(model.parameters()).dtype,
                                                  read_ahead=device.type == "cuda")
@@ -182,7 +185,7 @@ def quantize_streaming(
     with _disk_errors(work.path):
         if ranks.writer:
             output.parent.mkdir(parents=True, exist_ok=True)
-        start = ranks.from_writer(work.open(resume) if ranks.writer else None)
+        start = ranks.from_writer(work.open(run.resume) if ranks.writer else None)
 
         def on_layer_done(index: int, layer: nn.Module, outputs: list[torch.Tensor], entry: dict) -> None:
             if ranks.writer:
@@ -193,7 +196,7 @@ def quantize_streaming(
             hooks = LayerHooks(layer_source, on_layer_done, start, work.hidden_states(start) if start else None,
                                lambda: release_outside_layers(model, adapter, ckpt), ranks)
             report = quantize_model(model, adapter, calib, config, device=device, batch_size=batch_size,
-                                    show_progress=show_progress, offload_dir=offload_dir, hooks=hooks)
+                                    show_progress=run.show_progress, offload_dir=run.offload_dir, hooks=hooks)
         except BaseException:
             work.flush(raising=False)  # what finished before the failure stays for the resume
             raise
