@@ -1,12 +1,12 @@
-"""W4A8's two implementations on a real model: QuantLinear's reference path against the kernels' function.
+"""W4A8's two conventions on a real model: the kernels' integer function against a fake-quantized matmul.
 
 The W4A8 kernels compute int8 activations times int8 weights exactly (int32 sums), then scale in fp32
-(`kernels/reference.py: w4a8_reference`, which every kernel config is checked against); QuantLinear's reference path
-(what the CPU runs, and the kernels' test reference) multiplies the fake-quantized activations and the dequantized
-weight, both rounded to the model's dtype first. Each layer's two outputs differ by about an ulp of that dtype, and
-every next layer's per-token int8 rounding turns some of those ulps into whole int8 steps. This script measures what
-that does to a real model's logits and held-out NLL: SmolLM2-135M quantized with QQQ (W4A8 two-level g64), run in
-float16 through both paths, beside the unquantized model.
+(`kernels/reference.py: w4a8_reference`); QuantLinear's reference path (the CPU's) computes the same. A fake-quantized
+matmul, the usual simulation of W4A8 (and quantkit's reference path before), multiplies the dequantized activations
+and weights after rounding both to the model's dtype. Each layer's two outputs differ by about an ulp of that dtype,
+and every next layer's per-token int8 rounding turns some of those ulps into whole int8 steps. This script measures
+what that does to a real model's logits and held-out NLL: SmolLM2-135M quantized with QQQ (W4A8 two-level g64), run
+in float16 both ways, beside the unquantized model.
 
     python benchmarks/bench_w4a8_paths.py --out benchmarks/accuracy/w4a8_paths.json
 """
@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-from quantkit.kernels.reference import w4a8_reference
 
 from quantkit.config import QuantConfig
 from quantkit.data import build_calibration_set, default_heldout_texts, load_passages, load_text
@@ -28,7 +27,7 @@ from quantkit.engine import quantize_model
 from quantkit.eval.perplexity import heldout_windows
 from quantkit.models import get_adapter, load_model
 from quantkit.models.loading import default_model_path
-from quantkit.nn.qlinear import QuantLinear
+from quantkit.nn.qlinear import QuantLinear, quantize_activations_per_token
 
 
 def cast(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -40,12 +39,10 @@ def cast(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 tensor.data = tensor.data.to(dtype)
 
 
-def kernel_function(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """What the W4A8 kernels compute for this layer (exact int8 products, fp32 scaling, cast to x's dtype)."""
-    flat = x.reshape(-1, x.shape[-1])
-    out = w4a8_reference(flat, layer.plain_qweight(), layer.channel_scales, layer.scales, layer.zeros, layer.bias,
-                         layer.group_size)
-    return out.reshape(*x.shape[:-1], -1)
+def fake_quantized(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """The fake-quantized convention: round(x / s) * s and (q - z) * scales both in x's dtype, then a matmul."""
+    return torch.nn.functional.linear(quantize_activations_per_token(x), layer.dequantized_weight().to(x.dtype),
+                                      None if layer.bias is None else layer.bias.to(x.dtype))
 
 
 @torch.no_grad()
@@ -88,22 +85,22 @@ def main() -> None:
     report = quantize_model(model, get_adapter(model), calib, config, device="cpu", show_progress=False)
     seconds = time.perf_counter() - start
     cast(model, dtype)
-    reference = {name: logits_per_window(model, w) for name, w in windows.items()}
-    original_forward = QuantLinear.forward
-    QuantLinear.forward = kernel_function
+    integer = {name: logits_per_window(model, w) for name, w in windows.items()}
+    integer_forward = QuantLinear.forward
+    QuantLinear.forward = fake_quantized
     try:
-        kernel = {name: logits_per_window(model, w) for name, w in windows.items()}
+        fake = {name: logits_per_window(model, w) for name, w in windows.items()}
     finally:
-        QuantLinear.forward = original_forward
+        QuantLinear.forward = integer_forward
     results = {"model": args.model, "dtype": args.dtype, "scheme": report.scheme.label(),
                "quantize_seconds": round(seconds, 1), "windows": args.windows, "texts": {}}
     for name, w in windows.items():
         results["texts"][name] = {
-            "nll": {"fp": nll(fp_logits[name], w), "w4a8_reference": nll(reference[name], w),
-                    "w4a8_kernel": nll(kernel[name], w)},
-            "kernel_vs_reference": compare(kernel[name], reference[name]),
-            "reference_vs_fp": compare(reference[name], fp_logits[name]),
-            "kernel_vs_fp": compare(kernel[name], fp_logits[name]),
+            "nll": {"fp": nll(fp_logits[name], w), "w4a8_integer": nll(integer[name], w),
+                    "w4a8_fake_quantized": nll(fake[name], w)},
+            "fake_quantized_vs_integer": compare(fake[name], integer[name]),
+            "integer_vs_fp": compare(integer[name], fp_logits[name]),
+            "fake_quantized_vs_fp": compare(fake[name], fp_logits[name]),
         }
     results["date"] = time.strftime("%Y-%m-%d")
     args.out.write_text(json.dumps(results, indent=1))

@@ -45,6 +45,7 @@ else:
         swap_weight_for,
         two_level_int8_overflow,
         unsupported_reason,
+        w4a8_operands,
         w4a8_run,
         w4a16_run,
     )

@@ -176,6 +176,16 @@ def unsupported_reason(layer: torch.nn.Module) -> str | None:
     return None
 
 
+def w4a8_operands(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A W4A8 QuantLinear with integer weights (two-level or per channel) as the w4a8_linear op takes it: fp32
+    channel scales [N]; group scales [G, N] (two-level) or None; zero points ([G, N] two-level, [N] per channel) or
+    None when symmetric (the kernels' implicit 8)."""
+    zeros = None if bool((layer.zeros == 8).all()) else layer.zeros
+    if layer.channel_scales is not None:
+        return layer.channel_scales.float().contiguous(), layer.scales, zeros
+    return layer.scales[0].float().contiguous(), None, None if zeros is None else zeros[0].contiguous()
+
+
 def two_level_int8_overflow(layer: torch.nn.Module) -> bool:
     """True if some round((q - z) * group_scale) leaves int8 for a code q in [0, 15] (QQQ would wrap it)."""
     z = layer.zeros.float()
@@ -215,9 +225,7 @@ def make_kernel_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
         def run(x2: torch.Tensor) -> torch.Tensor:
             return torch.ops.quantkit.w4a16_linear(x2, qweight, layer.scales, zeros, bias, group, swap_weight, plain)
     else:
-        channel = (layer.channel_scales if two_level else layer.scales[0]).float().contiguous()
-        group_scales = layer.scales if two_level else None
-        channel_zeros = zeros if two_level or zeros is None else zeros[0].contiguous()
+        channel, group_scales, channel_zeros = w4a8_operands(layer)
 
         def run(x2: torch.Tensor) -> torch.Tensor:
             return torch.ops.quantkit.w4a8_linear(x2, qweight, channel, group_scales, channel_zeros, bias, group,

@@ -42,17 +42,39 @@ def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
+def int8_weight_reference(qweight: torch.Tensor, group_scales: torch.Tensor | None, zeros: torch.Tensor | None,
+                          group_size: int, columns: slice, device: torch.device) -> torch.Tensor:
+    """The W4A8 int8 weight [K, C] of the columns: q - z per channel (zeros [N]); two-level, QuantLinear's and the
+    kernels' round((q - z) * k) with integer group multipliers k."""
+    w, group = _dequantized(qweight, zeros, group_size, columns, device)
+    if group_scales is not None:
+        w = torch.round(w * group_scales[:, columns].float()[group]).clamp(-128, 127)
+    return w.to(torch.int8)
+
+
+def int8_products(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """codes int8 [M, K] @ weight int8 [K, C] exactly (int32 sums on the CPU through torch._int_mm; float64
+    elsewhere, exact below 2**53), read as fp32 as the kernels' epilogue reads its int32 accumulator."""
+    if codes.device.type == "cpu":
+        return torch._int_mm(codes, weight.contiguous()).float()
+    return (codes.double() @ weight.double()).float()
+
+
+def w4a8_epilogue(acc: torch.Tensor, token_scales: torch.Tensor, channel_scales: torch.Tensor,
+                  bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """acc * token scale * channel scale (+ bias) in fp32, in the kernels' order, cast to dtype."""
+    out = acc * token_scales.reshape(-1, 1) * channel_scales.float()
+    return (out if bias is None else out + bias.float()).to(dtype)
+
+
 def w4a8_reference(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tensor,
                    group_scales: torch.Tensor | None, zeros: torch.Tensor | None, bias: torch.Tensor | None,
                    group_size: int) -> torch.Tensor:
-    """Per-token int8 x times the int8 weight (two-level: round((q - z) * k) with integer group multipliers k, then
-    the channel scale; per channel: q - z, zeros [N]) in fp32, cast to x's dtype; the w4a8_linear op's arguments."""
+    """The W4A8 kernels' function: per-token int8 x times the int8 weight (int8_weight_reference) in exact integer
+    sums, then the token and channel scales in fp32, cast to x's dtype; the w4a8_linear op's arguments. QuantLinear's
+    reference path computes the same (W4A8 layers with integer weights)."""
     codes, token_scales = int8_tokens(x)
-    xq, blocks = codes.float(), []
-    for cols in _column_blocks(qweight.shape[1]):
-        w, group = _dequantized(qweight, zeros, group_size, cols, x.device)
-        if group_scales is not None:
-            w = torch.round(w * group_scales[:, cols].float()[group]).clamp(-128, 127)  # as QuantLinear's
-        blocks.append(xq @ (w * channel_scales[cols].float()))
-    out = torch.cat(blocks, dim=1) * token_scales.reshape(-1, 1)
-    return (out if bias is None else out + bias.float()).to(x.dtype)
+    acc = torch.cat([int8_products(codes, int8_weight_reference(qweight, group_scales, zeros, group_size, cols,
+                                                                x.device))
+                     for cols in _column_blocks(qweight.shape[1])], dim=1)
+    return w4a8_epilogue(acc, token_scales, channel_scales, bias, x.dtype)

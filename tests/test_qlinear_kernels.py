@@ -12,9 +12,15 @@ import logging
 
 import pytest
 import torch
-from quantkit.kernels import make_kernel_forward, registry
+from quantkit.kernels import make_kernel_forward, registry, w4a8_operands
 from quantkit.kernels.autotune import TuningCache, candidates, pick_config
-from quantkit.kernels.layout import k_blocked, repack_for_swap, repack_for_w4a8_swap
+from quantkit.kernels.layout import (
+    int8_tokens,
+    k_blocked,
+    repack_for_swap,
+    repack_for_w4a8_swap,
+    unpack_along_rows,
+)
 from quantkit.kernels.spec import TileConfig
 from test_kernels_w4a8_swap import qqq_layer
 from test_kernels_w4a16 import random_layer, relative_error
@@ -170,13 +176,11 @@ def test_tuner_picks_the_fastest_candidate_timed_cold(tmp_path, monkeypatch):
 
 def _op_arguments(layer: QuantLinear) -> tuple:
     """The arguments make_kernel_forward gives the layer's custom op, after x."""
-    zeros = None if bool((layer.zeros == 8).all()) else layer.zeros
     if layer.act_bits == 16:
+        zeros = None if bool((layer.zeros == 8).all()) else layer.zeros
         return layer.qweight, layer.scales, zeros, layer.bias, layer.group_size
-    two_level = layer.channel_scales is not None
-    channel = (layer.channel_scales if two_level else layer.scales[0]).float()
-    zeros = zeros if two_level or zeros is None else zeros[0]
-    return layer.qweight, channel, layer.scales if two_level else None, zeros, layer.bias, layer.group_size
+    channel, group_scales, zeros = w4a8_operands(layer)
+    return layer.qweight, channel, group_scales, zeros, layer.bias, layer.group_size
 
 
 @pytest.mark.parametrize(("act_bits", "group", "sym", "two_level"), [
@@ -302,3 +306,25 @@ def test_one_weight_copy_on_the_device_where_the_swap_kernels_serve_every_m(monk
     assert torch.equal(fused.qweight, torch.cat([layer.qweight] * 2, dim=1))
     narrow = random_layer(512, 64, 64, torch.float16, sym=True)  # no swap tile takes 64 outputs at 64 tokens
     assert make_kernel_forward(narrow).plain_qweight is narrow.qweight
+
+
+@pytest.mark.parametrize(("group", "sym", "two_level", "dtype"), [
+    (-1, False, False, torch.float16), (-1, True, False, torch.float32), (64, True, True, torch.bfloat16)])
+def test_w4a8_reference_path_is_the_kernels_integer_function(group, sym, two_level, dtype):
+    """A W4A8 layer with integer weights (per channel, two-level) computes on the reference path what the kernels
+    compute: int8 activations times int8 weights summed exactly (int64 here), read as fp32, times the token then the
+    channel scale, plus the bias: bit for bit, with the weight cached or not."""
+    layer = random_layer(256, 96, group, dtype, sym, act_bits=8, two_level=two_level)
+    rows = torch.arange(256) // layer.group_size
+    q_minus_z = unpack_along_rows(layer.qweight, 4).long() - layer.zeros.long()[rows]  # [K, N]
+    if two_level:  # quantkit's QQQ: integer group multipliers
+        layer.scales.copy_(torch.randint(1, 17, layer.scales.shape).to(dtype))
+        weight, channel = q_minus_z * layer.scales.long()[rows], layer.channel_scales.float()
+    else:
+        weight, channel = q_minus_z, layer.scales[0].float()
+    x = (3 * torch.randn(2, 5, 256)).to(dtype)
+    codes, token_scales = int8_tokens(x.reshape(10, 256))
+    expected = ((codes.long() @ weight).float() * token_scales * channel + layer.bias.float()).to(dtype)
+    assert torch.equal(layer.reference_forward(x), expected.reshape(2, 5, 96))
+    layer.cache_dense_weight()
+    assert layer.dense_weight.dtype == torch.int8 and torch.equal(layer(x), expected.reshape(2, 5, 96))

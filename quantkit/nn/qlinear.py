@@ -132,18 +132,52 @@ class QuantLinear(nn.Module):
             return (w8 * self.channel_scales.float()).to(self.scales.dtype).t()
         return (q.to(self.scales.dtype) * self.scales[g]).t()
 
+    @property
+    def integer_w4a8(self) -> bool:
+        """int8 activations and an int8 weight (two-level, or per channel): the W4A8 kernels' integer function."""
+        return self.act_bits == 8 and (self.channel_scales is not None or self.group_size == self.in_features)
+
     def cache_dense_weight(self, enabled: bool = True) -> None:
-        """Keep the dequantized weight (same numerics, no unpacking per call): evaluation of small models,
-        where the per-call dequantize's kernel launches cost more than the matmul. While cached, forward uses
-        it instead of the Triton kernels. Not saved; call again after changing the packed buffers."""
-        self.dense_weight = self.dequantized_weight() if enabled else None
+        """Keep the dequantized weight (the int8 weight [in, out] of an integer W4A8 layer): the same numerics, no
+        unpacking per call, for evaluation of small models, where the per-call dequantize's kernel launches cost
+        more than the matmul. While cached, forward uses it instead of the Triton kernels. Not saved; call again
+        after changing the packed buffers."""
+        if not enabled:
+            self.dense_weight = None
+        elif self.integer_w4a8:
+            from quantkit.kernels import w4a8_operands
+            from quantkit.kernels.reference import int8_weight_reference
+
+            _, group_scales, zeros = w4a8_operands(self)
+            self.dense_weight = int8_weight_reference(self.plain_qweight(), group_scales, zeros, self.group_size,
+                                                      slice(None), self.scales.device)
+        else:
+            self.dense_weight = self.dequantized_weight()
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.integer_w4a8:
+            return self._integer_w4a8_forward(x)
         if self.act_bits == 8:
             x = quantize_activations_per_token(x)
         weight = self.dense_weight if self.dense_weight is not None else self.dequantized_weight()
         return nn.functional.linear(x, weight.to(x.dtype),
                                     None if self.bias is None else self.bias.to(x.dtype))
+
+    def _integer_w4a8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """What the W4A8 kernels compute (kernels/reference.py): exact int8 x int8 sums, scaled in fp32, so that a
+        CPU evaluation and the GPU's kernels run one function (a fake-quantized matmul in fp16 rounds the
+        activations and weights first, and every next layer's int8 rounding turns those ulps into whole steps)."""
+        from quantkit.kernels import w4a8_operands
+        from quantkit.kernels.reference import int8_products, w4a8_epilogue, w4a8_reference
+
+        channel, group_scales, zeros = w4a8_operands(self)
+        flat = x.reshape(-1, self.in_features)
+        if self.dense_weight is None:
+            out = w4a8_reference(flat, self.plain_qweight(), channel, group_scales, zeros, self.bias, self.group_size)
+        else:
+            codes, token_scales = int8_tokens(flat)
+            out = w4a8_epilogue(int8_products(codes, self.dense_weight), token_scales, channel, self.bias, x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def prepare_kernels(self) -> None:
         """Build the Triton-kernel forward for this layer's device and shape, if one applies. Runs by
