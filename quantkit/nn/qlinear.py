@@ -6,8 +6,9 @@ Storage (our own, K-packed like GPTQ's `qweight`; exporters convert from/to the 
   scales          [n_groups, out] in the activation dtype (fp16/bf16/fp32).
   zeros           uint8 [n_groups, out], unsigned zero points (2**(bits-1) when symmetric).
   channel_scales  float32 [out] or None: QQQ's two-level W4A8 scheme, scales then hold group scales.
-  act_bits        16 (weight-only) or 8 (per-token dynamic symmetric int8 activations, simulated
-                  exactly here; the W4A8 kernel computes the same function).
+  act_bits        16 (weight-only) or 8 (per-token dynamic symmetric int8 activations: with integer weights,
+                  two-level or per channel, the reference path computes the W4A8 kernels' integer function;
+                  with one-level group scales, which no kernel takes, a fake-quantized matmul).
 
 On CUDA the Triton kernels in quantkit.kernels run it when they accept the shape, from their own copy of the
 weight (on Hopper their only one: qweight then stays in host memory, see prepare_kernels); everywhere else (and as
