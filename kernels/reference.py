@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import int8_tokens, unpack_along_rows
+from .layout import int8_tokens, int_valued_matmul, unpack_along_rows
 
 COLUMNS = 2048  # output columns dequantized at a time
 
@@ -53,10 +53,11 @@ def int8_weight_reference(qweight: torch.Tensor, group_scales: torch.Tensor | No
 
 
 def int8_products(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """codes int8 [M, K] @ weight int8 [K, C] exactly (int32 sums on the CPU through torch._int_mm; float64
-    elsewhere, exact below 2**53), read as fp32 as the kernels' epilogue reads its int32 accumulator."""
+    """codes [M, K] @ weight [K, C], both int8 values in any dtype, summed exactly and read as fp32 as the kernels'
+    epilogue reads its int32 accumulator: exact fp32 matmuls over short K slices on the CPU (int_valued_matmul),
+    float64 elsewhere."""
     if codes.device.type == "cpu":
-        return torch._int_mm(codes, weight.contiguous()).float()
+        return int_valued_matmul(codes.float(), weight.float()).float()
     return (codes.double() @ weight.double()).float()
 
 

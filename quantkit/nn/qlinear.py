@@ -139,7 +139,7 @@ class QuantLinear(nn.Module):
         return self.act_bits == 8 and (self.channel_scales is not None or self.group_size == self.in_features)
 
     def cache_dense_weight(self, enabled: bool = True) -> None:
-        """Keep the dequantized weight (the int8 weight [in, out] of an integer W4A8 layer): the same numerics, no
+        """Keep the dequantized weight (an integer W4A8 layer's int8 weight [in, out], in fp32): the same numerics, no
         unpacking per call, for evaluation of small models, where the per-call dequantize's kernel launches cost
         more than the matmul. While cached, forward uses it instead of the Triton kernels. Not saved; call again
         after changing the packed buffers."""
@@ -151,7 +151,7 @@ class QuantLinear(nn.Module):
 
             _, group_scales, zeros = w4a8_operands(self)
             self.dense_weight = int8_weight_reference(self.plain_qweight(), group_scales, zeros, self.group_size,
-                                                      slice(None), self.scales.device)
+                                                      slice(None), self.scales.device).float()
         else:
             self.dense_weight = self.dequantized_weight()
 

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.kernels.layout import int8_tokens
+from quantkit.kernels.layout import int8_tokens, int_valued_matmul
 from quantkit.quantizers.qqq_grids import Int8Weight
-
-# int8 products are at most 127 * 128 in magnitude: any 1024 of them, summed in any order, stay below 2**24,
-# where fp32 holds every integer
-EXACT_FP32_PRODUCTS = 1024
 
 
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -20,21 +16,7 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda and a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0:  # what CUDA _int_mm takes
         return torch._int_mm(a, b)
     wide = torch.float32 if a.device.type == "cpu" else torch.float64  # CUDA fp32 matmuls may round to TF32
-    return _int_valued_matmul(a.to(wide), b.to(wide)).to(torch.int32)
-
-
-def _int_valued_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """int8_matmul's sums for int8 values held in fp32 or float64 (a [M, K], b [K, N]), exactly: one matmul when
-    K <= EXACT_FP32_PRODUCTS, else K slices that short summed in float64. On the CPU the smoothing loss keeps its
-    int8 values in fp32 and converts the result to a floating dtype (one rounding, as converting int8_matmul's
-    would): int8 -> fp32 -> int32 round trips per call cost a third of a loss evaluation's time there."""
-    if a.shape[1] <= EXACT_FP32_PRODUCTS:
-        return a @ b
-    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
-    for start in range(0, a.shape[1], EXACT_FP32_PRODUCTS):
-        end = start + EXACT_FP32_PRODUCTS
-        out += a[:, start:end] @ b[start:end]
-    return out
+    return int_valued_matmul(a.to(wide), b.to(wide)).to(torch.int32)
 
 
 class Int8Linears:
@@ -63,7 +45,7 @@ class Int8Linears:
         if on_cpu:
             if index not in self._float_values:
                 self._float_values[index] = weight.values.t().float()
-            out = _int_valued_matmul(codes, self._float_values[index]).to(x.dtype)
+            out = int_valued_matmul(codes, self._float_values[index]).to(x.dtype)
         else:
             out = int8_matmul(codes, weight.values.t()).to(x.dtype)
         out = out.mul_(token_scales.to(x.dtype)).mul_(weight.scales.to(x.dtype))
