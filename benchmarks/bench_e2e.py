@@ -1,10 +1,11 @@
-"""End-to-end speed of a Llama-3-8B-shaped model: fp16 against quantkit's W4A16 / W4A8 layers on their kernels.
+"""End-to-end speed of a Llama-3-8B- or 70B-shaped model: fp16 against quantkit's W4A16 / W4A8 layers on their kernels.
 
     source benchmarks/device_env.sh; QUANTKIT_COMMIT=<commit> python benchmarks/bench_e2e.py --out DIR \
-        [--schemes w4a16 w4a8] [--batches 1 16] [--compiled-batches 1] [--profile] [--compare-attention] \
-        [--prompt 512] [--layers 32]
+        [--shape 8b] [--schemes w4a16 w4a8] [--batches 1 16] [--compiled-batches 1] [--profile] \
+        [--compare-attention] [--prompt 512] [--layers 32]
 
-Random weights (speed does not depend on their values): the fp16 model from Llama-3-8B's config, then each scheme's
+Random weights (speed does not depend on their values): the fp16 model from Llama-3's config (the 70B with as many
+layers as fit in fp16 on the card, --layers: ms per layer is the figure to compare), then each scheme's
 random QuantLinears (g128 symmetric; W4A8 with QQQ's two-level scales, bench_kernels.random_layer) in place of every
 decoder linear; embeddings and lm_head stay fp16 in all. quantkit.eval.static_decoder.StaticDecoder runs each model
 (q/k/v and gate/up fused, as serving engines fuse them; a static KV cache of prompt + 64 positions).
@@ -54,10 +55,13 @@ ATTENTION_TOLERANCE = 2e-3  # relative error of the decode attention kernel's ou
 WEIGHT_STD = 0.02  # transformers' initializer_range for Llama: the fp16 model's weights
 
 
-def llama3_8b(layers: int) -> LlamaConfig:
-    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-                       rms_norm_eps=1e-5, tie_word_embeddings=False)
+LLAMA3 = {"8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32),
+          "70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64)}
+
+
+def llama3(shape: str, layers: int) -> LlamaConfig:
+    return LlamaConfig(**LLAMA3[shape], num_hidden_layers=layers, num_key_value_heads=8, vocab_size=128256,
+                       max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
 def quantize_randomly(model: torch.nn.Module, scheme: str, group: int) -> None:
@@ -251,10 +255,11 @@ def equal_latency_lines(results: dict) -> list[str]:
 
 
 def markdown(meta: dict, results: dict) -> str:
-    lines = [f"# End to end, Llama-3-8B shapes ({meta['layers']} layers), {meta['device']}", "",
+    lines = [f"# End to end, Llama-3-{meta['shape'].upper()} shapes ({meta['layers']} layers), {meta['device']}", "",
              f"- date: {meta['date']}", f"- command: `{meta['command']}`", f"- git commit: {meta['commit']}",
              f"- torch {meta['torch']}, triton {meta['triton']}", "",
-             "| scheme | cell | ms | tokens/s | speedup over fp16 | GB/s read (share of the copy roof) |", "|---|---|---|---|---|---|"]
+             "| scheme | cell | ms | ms per layer | tokens/s | speedup over fp16 | GB/s read (share of the copy roof) |",
+             "|---|---|---|---|---|---|---|"]
     for scheme, rows in results.items():
         for cell, row in rows.items():
             if not cell.startswith(("decode", "prefill")):
@@ -262,7 +267,8 @@ def markdown(meta: dict, results: dict) -> str:
             speedup = results["fp16"][cell]["ms"] / row["ms"] if cell in results.get("fp16", {}) else float("nan")
             share = f" ({row['roof_fraction']:.0%})" if row.get("roof_fraction") is not None else ""
             read = f"{row['GBps']:.0f}{share}" if "GBps" in row else ""
-            lines.append(f"| {scheme} | {cell} | {row['ms']:.3f} | {row['tokens_per_s']:.0f} | {speedup:.2f}x | {read} |")
+            lines.append(f"| {scheme} | {cell} | {row['ms']:.3f} | {row['ms'] / meta['layers']:.4f} | "
+                         f"{row['tokens_per_s']:.0f} | {speedup:.2f}x | {read} |")
     lines += equal_latency_lines(results)
     lines += ["", "GPU memory once built (weights, the cache of one sequence): " + ", ".join(
         f"{scheme} {rows['gpu_GB']:.2f} GB" for scheme, rows in results.items() if "gpu_GB" in rows)]
@@ -290,14 +296,15 @@ def main() -> int:
     parser.add_argument("--compare-attention", action="store_true",
                         help="compiled steps: also with SDPA in place of the decode attention kernel")
     parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--shape", default="8b", choices=list(LLAMA3))
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--group", type=int, default=128)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = printing_log(args.out / "log_e2e.txt")
-    meta = run_meta(layers=args.layers, prompt=args.prompt, group=args.group)
+    meta = run_meta(shape=args.shape, layers=args.layers, prompt=args.prompt, group=args.group)
     torch.manual_seed(0)
-    config = llama3_8b(args.layers)
+    config = llama3(args.shape, args.layers)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float16).eval()
     results, failures = {}, 0
