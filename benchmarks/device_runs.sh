@@ -15,6 +15,7 @@
 #   layerwise70b  a 70B-shaped original (4 layers) against its export, perplexity and KL layer by layer (~4 min)
 #   quantize   GPTQ and awq-gptq act-order on the Llama-3-8B shape, 128 x 2048 tokens                (~8 min)
 #   ranks235b  the stream235b run under torchrun on N GPUs: `... ranks235b COMMIT N`, one call per N of 1 2 4 8 (~6 min)
+#   ranks70b   the stream70b run (6 layers) under torchrun on N GPUs: `... ranks70b COMMIT N`, one call per N  (~4 min)
 #   moe        the grouped MoE kernels against the per-expert loops and torch._grouped_mm (bf16), Qwen3-30B-A3B, Mixtral and DeepSeek-V3 shapes
 # COMMIT is the code's commit (the device's checkout has no git history). Tuning results are cached in .devcache
 # so a later part on the same warm machine does not re-tune.
@@ -62,6 +63,10 @@ case $part in
     n=${3:?ranks235b needs a GPU count: bash benchmarks/device_runs.sh ranks235b COMMIT N}
     timeout 570 python -m torch.distributed.run --standalone --nproc-per-node "$n" benchmarks/bench_streaming_device.py \
       --shape qwen3-235b-a22b --layers 3 --work-dir /tmp/quantkit-bench-235b --out "$OUT/ranks235b/$n" ;;
+  ranks70b)
+    n=${3:?ranks70b needs a GPU count: bash benchmarks/device_runs.sh ranks70b COMMIT N}
+    timeout 570 python -m torch.distributed.run --standalone --nproc-per-node "$n" benchmarks/bench_streaming_device.py \
+      --shape 70b --layers 6 --work-dir /tmp/quantkit-bench-70b --out "$OUT/ranks70b/$n" ;;
   layerwise70b)
     timeout 570 python benchmarks/bench_layerwise_device.py --layers 4 --out "$OUT/layerwise70b" ;;
   reload70b)
@@ -77,5 +82,5 @@ case $part in
     done ;;
   moe)
     timeout 560 python benchmarks/bench_moe.py --out "$OUT/moe" ;;
-  *) echo "unknown part $part: check, w4a16, w4a8, e2e, batches, curve, e2e70b, stream70b, stream235b, deepseek, ranks235b, reload70b, layerwise70b, quantize or moe" >&2; exit 2 ;;
+  *) echo "unknown part $part: check, w4a16, w4a8, e2e, batches, curve, e2e70b, stream70b, stream235b, deepseek, ranks235b, ranks70b, reload70b, layerwise70b, quantize or moe" >&2; exit 2 ;;
 esac
