@@ -187,3 +187,4 @@ def test_report_gives_speedups_at_equal_latency_and_the_fastest_per_step(tmp_pat
     assert "| 40.00 ms (batch 16) | 400 | n/a | n/a |" in markdown  # past the end of w4a16's sweep
     assert "| decode_b16 | w4a16 | 2.00x |" in markdown and "| prefill_512 | fp16 | 1.00x |" in markdown
     assert written["speed"].read_bytes()[:4] == b"\x89PNG" and "![speed](speed.png)" in markdown
+    assert report.has_equal_latency(results) and report.equal_latency_table(results).row_count == 3  # the console's

@@ -158,6 +158,20 @@ def fastest_rows(results: dict) -> list[list[str]]:
     return rows
 
 
+def has_equal_latency(results: dict) -> bool:
+    """Several models, and the first timed at two decode batch sizes or more (a curve to compare along)."""
+    return len(results["models"]) > 1 and len(decode_curve(results["models"][0].get("speed", {}))) > 1
+
+
+def equal_latency_headers(results: dict) -> list[str]:
+    return ["step time", *_labels(results), *[f"speedup {label}" for label in _labels(results)[1:]]]
+
+
+def equal_latency_table(results: dict) -> Table:
+    return _rich_table("Tokens/s within the first model's step time (speedup at equal latency)",
+                       equal_latency_headers(results), equal_latency_rows(results))
+
+
 def speed_table(results: dict) -> Table:
     devices = sorted({m["speed"].get("device", "") for m in results["models"]} - {""})
     return _rich_table(f"Speed ({', '.join(devices) or 'not timed'}): static-cache steps, CUDA-graph replays on a GPU",
@@ -284,15 +298,13 @@ def markdown_report(results: dict, plots: list[str]) -> str:
             *_markdown_table(speed_headers(results), speed_rows(results)),
             *[f"Not timed: {line}\n" for line in skipped],
         ]
-        if len(results["models"]) > 1 and len(decode_curve(results["models"][0]["speed"])) > 1:
+        if has_equal_latency(results):
             lines += [
                 "At equal latency: at each of the first model's decode step times, the tokens/s each model serves "
                 "within that step time (interpolated between its two timed batch sizes that bracket it; n/a outside "
                 "its sweep) and the ratio to the first's.",
                 "",
-                *_markdown_table(["step time", *_labels(results),
-                                  *[f"speedup {label}" for label in _labels(results)[1:]]],
-                                 equal_latency_rows(results)),
+                *_markdown_table(equal_latency_headers(results), equal_latency_rows(results)),
             ]
         if fastest_rows(results):
             lines += ["Fastest at each step:", "",

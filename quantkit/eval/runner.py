@@ -284,6 +284,8 @@ def _print_tables(results: dict, console: Console) -> None:
         console.print(report.speculative_table(results))
     if config["speed_batches"] is not None:
         console.print(report.speed_table(results))
+        if report.has_equal_latency(results):
+            console.print(report.equal_latency_table(results))
     if config["generations"]:
         console.print(report.generations_table(results))
 
