@@ -255,7 +255,7 @@ def equal_latency_lines(results: dict) -> list[str]:
 
 
 def markdown(meta: dict, results: dict) -> str:
-    lines = [f"# End to end, Llama-3-{meta['shape'].upper()} shapes ({meta['layers']} layers), {meta['device']}", "",
+    lines = [f"# End to end, Llama-3-{meta.get('shape', '8b').upper()} shapes ({meta['layers']} layers), {meta['device']}", "",
              f"- date: {meta['date']}", f"- command: `{meta['command']}`", f"- git commit: {meta['commit']}",
              f"- torch {meta['torch']}, triton {meta['triton']}", "",
              "| scheme | cell | ms | ms per layer | tokens/s | speedup over fp16 | GB/s read (share of the copy roof) |",
