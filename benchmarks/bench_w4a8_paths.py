@@ -27,7 +27,7 @@ from quantkit.engine import quantize_model
 from quantkit.eval.perplexity import heldout_windows
 from quantkit.models import get_adapter, load_model
 from quantkit.models.loading import default_model_path
-from quantkit.nn.qlinear import QuantLinear, quantize_activations_per_token
+from quantkit.nn.qlinear import QuantLinear
 
 
 def cast(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -37,12 +37,6 @@ def cast(model: torch.nn.Module, dtype: torch.dtype) -> None:
         for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             if tensor is not None and tensor.is_floating_point() and name != "channel_scales":
                 tensor.data = tensor.data.to(dtype)
-
-
-def fake_quantized(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """The fake-quantized convention: round(x / s) * s and (q - z) * scales both in x's dtype, then a matmul."""
-    return torch.nn.functional.linear(quantize_activations_per_token(x), layer.dequantized_weight().to(x.dtype),
-                                      None if layer.bias is None else layer.bias.to(x.dtype))
 
 
 @torch.no_grad()
@@ -87,7 +81,7 @@ def main() -> None:
     cast(model, dtype)
     integer = {name: logits_per_window(model, w) for name, w in windows.items()}
     integer_forward = QuantLinear.forward
-    QuantLinear.forward = fake_quantized
+    QuantLinear.forward = QuantLinear.fake_quantized_forward  # the dequantized weight, never a cached one
     try:
         fake = {name: logits_per_window(model, w) for name, w in windows.items()}
     finally:

@@ -47,9 +47,8 @@ EXACT_FP32_PRODUCTS = 1024
 
 def int_valued_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The exact sums of a [M, K] @ b [K, N] for int8 values held in fp32 or float64: one matmul when
-    K <= EXACT_FP32_PRODUCTS, else K slices that short summed in float64. On the CPU this is the fast exact int8
-    matmul: torch._int_mm ran 25-40x slower than an fp32 matmul of the same shape on an AVX2 machine without VNNI
-    (AMD EPYC, torch 2.13); on CUDA fp32 matmuls may round to TF32 (give float64 there)."""
+    K <= EXACT_FP32_PRODUCTS, else K slices that short summed in float64 (int8_matmul's path on the CPU; on CUDA
+    fp32 matmuls may round to TF32: give float64 there)."""
     if a.shape[1] <= EXACT_FP32_PRODUCTS:
         return a @ b
     out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
@@ -57,6 +56,16 @@ def int_valued_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         end = start + EXACT_FP32_PRODUCTS
         out += a[:, start:end] @ b[start:end]
     return out
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a int8 [M, K] @ b int8 [K, N] -> int32 [M, N], exactly. torch._int_mm on CUDA; elsewhere (and for shapes
+    CUDA's _int_mm refuses) fp32 matmuls over K slices short enough to be exact, summed in int32: CPU _int_mm ran
+    25-40x slower than an fp32 matmul of the same shape on an AVX2 machine without VNNI (AMD EPYC, torch 2.13)."""
+    if a.is_cuda and a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0:  # what CUDA _int_mm takes
+        return torch._int_mm(a, b)
+    wide = torch.float32 if a.device.type == "cpu" else torch.float64  # CUDA fp32 matmuls may round to TF32
+    return int_valued_matmul(a.to(wide), b.to(wide)).to(torch.int32)
 
 
 def int8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

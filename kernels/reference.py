@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import int8_tokens, int_valued_matmul, unpack_along_rows
+from .layout import int8_matmul, int8_tokens, int_valued_matmul, unpack_along_rows
 
 COLUMNS = 2048  # output columns dequantized at a time
 
@@ -55,10 +55,10 @@ def int8_weight_reference(qweight: torch.Tensor, group_scales: torch.Tensor | No
 def int8_products(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """codes [M, K] @ weight [K, C], both int8 values in any dtype, summed exactly and read as fp32 as the kernels'
     epilogue reads its int32 accumulator: exact fp32 matmuls over short K slices on the CPU (int_valued_matmul),
-    float64 elsewhere."""
-    if codes.device.type == "cpu":
+    int8_matmul elsewhere."""
+    if codes.device.type == "cpu":  # the weight may be held in fp32 already (a cached one): no int8 round trip
         return int_valued_matmul(codes.float(), weight.float()).float()
-    return (codes.double() @ weight.double()).float()
+    return int8_matmul(codes, weight.to(torch.int8)).float()
 
 
 def w4a8_epilogue(acc: torch.Tensor, token_scales: torch.Tensor, channel_scales: torch.Tensor,

@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 from quantkit.kernels import unsupported_reason
+from quantkit.kernels.layout import int8_matmul
 from realmodel import with_act_bits
 from safetensors.torch import load_file
 from test_adapters import TINY, tiny_model
@@ -26,7 +27,6 @@ from quantkit.qtensor import QuantizationError
 from quantkit.quantizers.base import get_method
 from quantkit.quantizers.context import LayerContext
 from quantkit.quantizers.gptq import GPTQOptions, gptq_quantize
-from quantkit.quantizers.int8_matmul import int8_matmul
 from quantkit.quantizers.qqq import QQQOptions, QQQQuantizer
 from quantkit.quantizers.qqq_grids import Int8Weight, PerChannelGrid, make_grid, recover_channel_scales
 from quantkit.quantizers.qqq_probe import SmoothingProbe, matmul_probe, module_probe

@@ -306,9 +306,10 @@ def markdown_report(results: dict, plots: list[str]) -> str:
                 "",
                 *_markdown_table(equal_latency_headers(results), equal_latency_rows(results)),
             ]
-        if fastest_rows(results):
+        fastest = fastest_rows(results)
+        if fastest:
             lines += ["Fastest at each step:", "",
-                      *_markdown_table(["step", "fastest", "speedup over the first"], fastest_rows(results))]
+                      *_markdown_table(["step", "fastest", "speedup over the first"], fastest)]
     if results["models"][0]["generations"]:
         lines += ["## Generations", ""]
         for i, prompt in enumerate(results["prompts"]):

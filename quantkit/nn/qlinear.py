@@ -158,11 +158,16 @@ class QuantLinear(nn.Module):
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.integer_w4a8:
             return self._integer_w4a8_forward(x)
+        return self.fake_quantized_forward(x, self.dense_weight)
+
+    def fake_quantized_forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """x (with act_bits 8 rounded per token to int8 steps, in x's dtype) times `weight` or the dequantized weight,
+        both in x's dtype: the reference of layers without integer weights, and the simulation of W4A8 that
+        benchmarks/bench_w4a8_paths.py sets against the integer function."""
         if self.act_bits == 8:
             x = quantize_activations_per_token(x)
-        weight = self.dense_weight if self.dense_weight is not None else self.dequantized_weight()
-        return nn.functional.linear(x, weight.to(x.dtype),
-                                    None if self.bias is None else self.bias.to(x.dtype))
+        weight = self.dequantized_weight() if weight is None else weight
+        return nn.functional.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def _integer_w4a8_forward(self, x: torch.Tensor) -> torch.Tensor:
         """What the W4A8 kernels compute (kernels/reference.py): exact int8 x int8 sums, scaled in fp32, so that a

@@ -1,22 +1,12 @@
-"""Exact int8 matmuls, and linears computed as the W4A8 kernel computes them (per-token int8 activations times
-int8 weights, accumulated exactly, then both scales)."""
+"""Linears computed as the W4A8 kernel computes them (per-token int8 activations times int8 weights, accumulated
+exactly by quantkit.kernels.layout's int8 matmuls, then both scales)."""
 
 from __future__ import annotations
 
 import torch
 
-from quantkit.kernels.layout import int8_tokens, int_valued_matmul
+from quantkit.kernels.layout import int8_matmul, int8_tokens, int_valued_matmul
 from quantkit.quantizers.qqq_grids import Int8Weight
-
-
-def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a int8 [M, K] @ b int8 [K, N] -> int32 [M, N], exactly. torch._int_mm on CUDA; elsewhere (and for shapes
-    CUDA's _int_mm refuses) fp32 matmuls over K slices short enough to be exact, summed in int32: CPU _int_mm ran
-    25-40x slower than an fp32 matmul of the same shape on an AVX2 machine without VNNI (AMD EPYC, torch 2.13)."""
-    if a.is_cuda and a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0:  # what CUDA _int_mm takes
-        return torch._int_mm(a, b)
-    wide = torch.float32 if a.device.type == "cpu" else torch.float64  # CUDA fp32 matmuls may round to TF32
-    return int_valued_matmul(a.to(wide), b.to(wide)).to(torch.int32)
 
 
 class Int8Linears:

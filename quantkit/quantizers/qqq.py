@@ -45,9 +45,9 @@ Deviations from the reference, on purpose:
     uses (QQQ's loss quantizes weights on a [-7, 7] grid per channel or group).
   * The grids are min-max: options.mse is not used (QQQ's per-group recipe searches an MSE grid).
 
-The pieces: qqq_grids (the weight grids, Int8Weight), int8_matmul (exact int8 matmuls, the W4A8 kernel's
-linears), qqq_probe (a scaling group and its loss), qqq_search (thresholds, the search, the GPTQ check); here
-the options and the method.
+The pieces: qqq_grids (the weight grids, Int8Weight), int8_matmul (the W4A8 kernel's linears, on
+quantkit.kernels.layout's exact int8 matmuls), qqq_probe (a scaling group and its loss), qqq_search (thresholds,
+the search, the GPTQ check); here the options and the method.
 """
 
 from __future__ import annotations
