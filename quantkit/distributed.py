@@ -1,16 +1,21 @@
-"""Several processes quantizing one model (torchrun): each rank gathers the statistics of, and solves, its share of
-every step's linears (an MoE layer's experts spread over the ranks); the results are exchanged, so every rank goes
-on with the same quantized layer; rank 0 alone writes the work folder and the export.
+"""Several processes quantizing one model (torchrun): each rank solves its share of every step's linears (an MoE
+layer's experts spread over the ranks); the results are exchanged, so every rank goes on with the same quantized
+layer; rank 0 alone writes the work folder and the export.
 
-Every rank runs the layer's forwards on every calibration batch: a linear's statistics are accumulated by one
-process over the batches in their order, exactly as one process does, so the export has one process's bytes.
-(Splitting the batches over the ranks and all-reducing the statistics, as llm-compressor does, sums each Hessian
-in another order: close, not the same bytes.)
+The calibration batches are split over the ranks (batch b on rank b % world) for the methods whose per-batch work
+is the engine's (statistics, next inputs, the no-harm guard: GPTQ); each rank runs the layer's forwards on its
+batches only. The export still has one process's bytes: a linear's statistics are accumulated by the one rank that
+solves it, from every batch's inputs in batch order (each batch's rank sends them), exactly as one process does,
+and the guard's per-batch errors are summed in batch order. (All-reducing per-rank Hessians, as llm-compressor
+does, sums them in another order: close, not the same bytes.) A method that searches over the batches itself (AWQ,
+awq-gptq, QQQ: their smoothing) runs every batch on every rank and shares only the solves.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,19 +38,67 @@ class Ranks:
     def writer(self) -> bool:
         return self.rank == 0
 
+    def owners(self, groups: list[list[str]], cost: dict[str, int]) -> list[int]:
+        """The rank solving each group: largest first, each to the rank with the least work so far (ties: lowest
+        rank), so that every rank computes the same assignment."""
+        load, owner = [0] * self.world, [0] * len(groups)
+        for index in sorted(range(len(groups)), key=lambda i: (-cost[groups[i][0]], i)):
+            owner[index] = min(range(self.world), key=lambda r: (load[r], r))
+            load[owner[index]] += cost[groups[index][0]]
+        return owner
+
     def share(self, groups: list[list[str]], cost: dict[str, int]) -> list[list[str]]:
-        """This rank's groups: largest first, each to the rank with the least work so far (ties: lowest rank), so
-        that every rank computes the same assignment."""
+        """This rank's groups (owners())."""
         if self.world == 1:
             return groups
-        load = [0] * self.world
-        mine = set()
-        for index in sorted(range(len(groups)), key=lambda i: (-cost[groups[i][0]], i)):
-            owner = min(range(self.world), key=lambda r: (load[r], r))
-            load[owner] += cost[groups[index][0]]
-            if owner == self.rank:
-                mine.add(index)
-        return [group for i, group in enumerate(groups) if i in mine]
+        return [group for group, owner in zip(groups, self.owners(groups, cost), strict=True) if owner == self.rank]
+
+    def deliver(self, produced: dict[str, list[torch.Tensor]], owners: dict[str, int], device: torch.device,
+                feed: Callable[[str, torch.Tensor], None]) -> None:
+        """One step of split batches (each rank ran its batch of the step, or none): every group's inputs, as each
+        rank's batch produced them (name -> tensors in call order), fed to the group's owner in the batches' order
+        (rank order within a step). Every rank calls it with the same `owners`, in the same order."""
+        shapes: list[dict | None] = [None] * self.world
+        dist.all_gather_object(shapes, {n: [(tuple(x.shape), x.dtype) for x in xs] for n, xs in produced.items()})
+        for name, owner in owners.items():
+            for source, theirs in enumerate(shapes):
+                for position, (shape, dtype) in enumerate((theirs or {}).get(name, [])):
+                    if source == self.rank:
+                        x = produced[name][position]
+                        if owner == self.rank:
+                            feed(name, x)
+                        elif x.numel():
+                            dist.send(x.contiguous(), owner)
+                    elif owner == self.rank:
+                        x = torch.empty(shape, dtype=dtype, device=device)
+                        if x.numel():
+                            dist.recv(x, source)
+                        feed(name, x)
+
+    def in_batch_order(self, values: list, share: BatchShare) -> list:
+        """Every rank's per-batch values (this rank's: `values`, for share.ids), in batch order, on every rank."""
+        if not share.split:
+            return values
+        gathered: list[list | None] = [None] * self.world
+        dist.all_gather_object(gathered, values)
+        return _interleaved(gathered, share.total)
+
+    def gather_batches(self, tensors: list[torch.Tensor], share: BatchShare) -> list[torch.Tensor] | None:
+        """Every batch's tensor (this rank's: `tensors`, for share.ids) in batch order on the writer (on the host),
+        None on the others."""
+        if not share.split:
+            return tensors
+        gathered: list[list | None] | None = [None] * self.world if self.writer else None
+        dist.gather_object([t.to("cpu") for t in tensors], gathered, dst=0)
+        return None if gathered is None else _interleaved(gathered, share.total)
+
+    def summed(self, counts: dict, share: BatchShare) -> dict:
+        """Nested dicts of integer lists counted over this rank's batches, added up over the ranks (exact)."""
+        if not share.split:
+            return counts
+        gathered: list[dict | None] = [None] * self.world
+        dist.all_gather_object(gathered, counts)
+        return _add_up([g for g in gathered if g is not None])
 
     def exchange(self, results: dict[str, QuantizedWeight], device: torch.device) -> dict[str, QuantizedWeight]:
         """Every rank's results, on `device`, in this rank's order then the others'."""
@@ -73,6 +126,45 @@ class Ranks:
 
 
 SINGLE = Ranks()
+
+
+def _interleaved(per_rank: list, total: int) -> list:
+    """Per-rank lists of split batches' values (rank r's: batches r, r + world, ...) in batch order."""
+    ordered: list = [None] * total
+    for rank, theirs in enumerate(per_rank):
+        ordered[rank::len(per_rank)] = theirs
+    return ordered
+
+
+def _add_up(trees: list):
+    if isinstance(trees[0], dict):
+        return {key: _add_up([t[key] for t in trees]) for key in trees[0]}
+    if isinstance(trees[0], list):
+        return [sum(values) for values in zip(*trees, strict=True)]
+    return sum(trees)
+
+
+@dataclass(frozen=True)
+class BatchShare:
+    """Which of a run's `total` calibration batches this rank runs: every world-th from its rank when `split`,
+    all of them otherwise. A split run moves in `steps`: at step t each rank runs its t-th batch (or none)."""
+
+    ranks: Ranks
+    total: int
+    split: bool
+
+    @property
+    def ids(self) -> list[int]:
+        return list(range(self.ranks.rank, self.total, self.ranks.world)) if self.split else list(range(self.total))
+
+    @property
+    def steps(self) -> int:
+        return math.ceil(self.total / self.ranks.world) if self.split else self.total
+
+
+def batch_share(ranks: Ranks, total: int, split: bool) -> BatchShare:
+    """Batches split only with several ranks and a method whose per-batch work is the engine's."""
+    return BatchShare(ranks, total, split and ranks.world > 1)
 
 
 def ranks_from_environment() -> Ranks:

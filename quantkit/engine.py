@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -28,7 +29,7 @@ from torch import nn
 
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
-from quantkit.distributed import SINGLE, Ranks
+from quantkit.distributed import SINGLE, BatchShare, Ranks, batch_share
 from quantkit.layer_guard import guard_layer, snapshot
 from quantkit.models.adapters import ArchAdapter
 from quantkit.models.moe import (
@@ -101,9 +102,11 @@ def _move(obj, device: torch.device):
 
 @torch.no_grad()
 def capture_layer_inputs(
-    model: nn.Module, adapter: ArchAdapter, calib: CalibrationSet, device: torch.device, batch_size: int
+    model: nn.Module, adapter: ArchAdapter, calib: CalibrationSet, device: torch.device, batch_size: int,
+    batches: list[int] | None = None,
 ) -> tuple[list[torch.Tensor], list[list[dict]], list[torch.Tensor]]:
-    """Hidden states entering layer 0, each layer's call kwargs, and token masks, per batch."""
+    """Hidden states entering layer 0, each layer's call kwargs, and token masks, per batch (every one, or those
+    whose indices `batches` lists)."""
     layers = adapter.get_layers(model)
     originals = list(layers)
     sinks: list[list[dict]] = [[] for _ in originals]
@@ -116,7 +119,9 @@ def capture_layer_inputs(
     base.to(device)  # embeddings and rotary tables; the decoder layers are recorders now
     masks = []
     try:
-        for ids, mask in _batches(calib, batch_size):
+        for index, (ids, mask) in enumerate(_batches(calib, batch_size)):
+            if batches is not None and index not in batches:
+                continue
             masks.append(mask.to(device).bool())
             try:
                 base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
@@ -152,13 +157,15 @@ class _ResidentLayers:
 class LayerHooks:
     """How a run reaches its layers and what it does around them (quantkit.streaming sets them; the defaults are the
     in-memory path): `source` loads layer i's weights before its step and releases them after;
-    `on_layer_done(i, layer, outputs, entry)` sees each finished layer, still on the device, before its release;
+    `on_layer_done(i, layer, all_outputs, entry)` sees each finished layer, still on the device, before its release
+    (`all_outputs()`: the layer's outputs of every batch on the writer, None on the other ranks; every rank calls it
+    or none does);
     a resumed run starts at `start_layer` with `hidden_states` (the inputs of that layer per batch) instead of the
     captured layer-0 inputs; `on_inputs_captured()` runs once the model outside the decoder layers has done its
     part; with several `ranks` (quantkit.distributed), each solves its share of every step."""
 
     source: LayerSource = field(default_factory=_ResidentLayers)
-    on_layer_done: Callable[[int, nn.Module, list[torch.Tensor], dict], None] | None = None
+    on_layer_done: Callable[[int, nn.Module, Callable[[], list[torch.Tensor] | None], dict], None] | None = None
     start_layer: int = 0
     hidden_states: list[torch.Tensor] | None = None
     on_inputs_captured: Callable[[], None] | None = None
@@ -189,12 +196,13 @@ class _PhaseTimer:
 
 def _quantize_step(
     ctx: LayerContext, method: Method, names: list[str], timer: _PhaseTimer, calibration: LayerCalibration,
-    ranks: Ranks = SINGLE,
+    share: BatchShare,
 ) -> dict[str, QuantizedWeight]:
     """Quantize one sequential step's linears: their statistics, then their solves, a part of the step at a time
     where the statistics of all of it would not fit (an MoE layer's experts: 256 Hessians of 7168^2 are 52 GB).
     The parts' results equal the whole step's: the step's linears read inputs none of them writes. With several
     ranks, each gathers and solves its share of a part's groups, then all take every result."""
+    ranks = share.ranks
     linears = {n: ctx.module(n) for n in names}
     quantizers = {n: calibration.quantizer(method, lin, n, ctx.index) for n, lin in linears.items()}
     shared = _same_input_sharers(ctx.adapter, quantizers)
@@ -203,8 +211,12 @@ def _quantize_step(
     cost = {group[0]: sum(linears[n].weight.numel() for n in group) for group in groups}
     results: dict[str, QuantizedWeight] = {}
     for part in _statistics_parts(groups, quantizers, ctx.device):
-        mine = ranks.share(part, cost)
-        if method.needs_activations and mine:
+        owners = ranks.owners(part, cost)
+        mine = [group for group, owner in zip(part, owners, strict=True) if owner == ranks.rank]
+        if method.needs_activations and share.split:
+            _gather_shared_statistics(ctx, {group[0]: owner for group, owner in zip(part, owners, strict=True)},
+                                      linears, quantizers, timer, share)
+        elif method.needs_activations and mine:
             _gather_statistics(ctx, [group[0] for group in mine], linears, quantizers, timer)
         for group in mine:
             for sharer in group[1:]:
@@ -245,6 +257,25 @@ def _gather_statistics(ctx: LayerContext, owners: list[str], linears: dict[str, 
     try:
         with timer("forward+statistics"):
             ctx.run_until(owners)  # hooks registered first run first: statistics before the stop
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _gather_shared_statistics(ctx: LayerContext, owners: dict[str, int], linears: dict[str, nn.Module],
+                              quantizers: dict[str, LinearQuantizer], timer: _PhaseTimer, share: BatchShare) -> None:
+    """Split batches: at each step this rank runs its batch (if it has one left) and keeps every group's inputs;
+    each group's owner is then fed every rank's, in batch order (Ranks.deliver)."""
+    produced: dict[str, list[torch.Tensor]] = {}
+    handles = [linears[n].register_forward_hook(
+        lambda _m, args, _o, n=n: produced[n].append(ctx.real_tokens(args[0]))) for n in owners]
+    try:
+        with timer("forward+statistics"):
+            for step in range(share.steps):
+                produced.update({n: [] for n in owners})
+                if step < len(ctx.inputs):
+                    ctx.run_until(list(owners), [step])
+                share.ranks.deliver(produced, owners, ctx.device, lambda n, x: quantizers[n].add_batch(x))
     finally:
         for h in handles:
             h.remove()
@@ -331,19 +362,23 @@ def quantize_model(
     calibration = layer_calibration(adapter, config.moe_all_tokens)
     calibration.prepare(model)
     layers = adapter.get_layers(model)
+    ranks = hooks.ranks
     # No batches for a method that reads no calibration data: every per-layer forward is then empty.
+    share = batch_share(ranks, -(-len(calib) // batch_size) if method.needs_calibration else 0,
+                        method.splits_batches)
+    if share.split:
+        log.info("rank %d of %d: calibration batches %s of %d", ranks.rank, ranks.world, share.ids, share.total)
     inputs, layer_kwargs, masks = [], [[] for _ in layers], []
     if method.needs_calibration:
         log.info("capturing the first layer's inputs (%d calibration samples)", len(calib))
         with timer("capture"):
-            inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size)
+            inputs, layer_kwargs, masks = capture_layer_inputs(model, adapter, calib, device, batch_size, share.ids)
     if hooks.hidden_states is not None:
-        inputs = hooks.hidden_states
+        inputs = [hooks.hidden_states[j] for j in share.ids]
     if hooks.on_inputs_captured is not None:
         hooks.on_inputs_captured()
     store = open_store(inputs, layers, device, offload_dir)
     inputs = store.hold(inputs)
-    ranks = hooks.ranks
     guarded = method.needs_calibration and method.rtn_guard
     layers_start = time.perf_counter()
     progress = Progress(TextColumn("[bold]quantizing {task.fields[method]}"), BarColumn(), MofNCompleteColumn(),
@@ -368,11 +403,11 @@ def quantize_model(
             results: dict[str, QuantizedWeight] = {}
             for step in adapter.sequential:
                 results.update(_quantize_step(ctx, method, [n for n in step if _has(layer, n)], timer, calibration,
-                                              ranks))
+                                              share))
             outputs, routing = _layer_outputs(ctx, store, timer, calibration)
             if original is not None:
                 with timer("guard"):
-                    entry["guard"], fallback = guard_layer(ctx, original, results, outputs, config)
+                    entry["guard"], fallback = guard_layer(ctx, original, results, outputs, config, share)
                 del original
                 if fallback is not None:
                     results = fallback
@@ -380,16 +415,16 @@ def quantize_model(
                     outputs, routing = _layer_outputs(ctx, store, timer, calibration)
             inputs.release()
             inputs = outputs
-            entry |= routing
-            if not all(torch.isfinite(x).all() for x in inputs):
+            entry |= ranks.summed(routing, share)
+            if not all(ranks.in_batch_order([bool(torch.isfinite(x).all()) for x in inputs], share)):
                 raise QuantizationError(f"layer {i} produced non-finite outputs after quantization")
             _swap_in_quantlinears(layer, results, config.act_bits, device)
             entry["linears"] = {name: qw.info for name, qw in results.items()}
             calibration.check(layer, i)
             entry["seconds"] = time.perf_counter() - t0
             report.layers.append(entry)
-            if hooks.on_layer_done is not None:
-                hooks.on_layer_done(i, layer, inputs, entry)  # the layer still on the device: packing is fast there
+            if hooks.on_layer_done is not None:  # the layer still on the device: packing is fast there
+                hooks.on_layer_done(i, layer, partial(ranks.gather_batches, inputs, share), entry)
             with timer("transfer"):
                 hooks.source.release(i, layer)
             done = i + 1 - hooks.start_layer

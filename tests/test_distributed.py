@@ -1,5 +1,6 @@
-"""Several processes (torchrun, gloo on the CPU): each rank solves its share of every step, rank 0 writes; the export
-has one process's bytes, and a run whose rank is killed leaves no export and resumes to those bytes."""
+"""Several processes (torchrun, gloo on the CPU): each rank runs its share of the calibration batches and solves its
+share of every step, rank 0 writes; the export has one process's bytes, and a run whose rank is killed leaves no
+export and resumes to those bytes."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from test_streaming import PAUSE, _command, _digest, _env, _moe_checkpoint
+from test_streaming import PAUSE, _checkpoint, _command, _digest, _env, _moe_checkpoint
 
-from quantkit.distributed import Ranks
+from quantkit.distributed import SINGLE, Ranks, _add_up, _interleaved, batch_share
 from quantkit.streaming.workdir import PAUSE_MARK, work_dir_for
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
@@ -26,6 +27,21 @@ def test_groups_are_shared_by_cost_and_every_group_has_one_rank() -> None:
     assert sorted(g[0] for share in shares for g in share) == sorted(g[0] for g in groups)
     assert shares[0] == [["q", "k", "v"]] and shares[1] == [["o"], ["e0"], ["e1"], ["e2"]]  # 30 against 34
     assert Ranks().share(groups, cost) == groups
+
+
+def test_batches_go_round_robin_and_come_back_in_order() -> None:
+    shares = [batch_share(Ranks(rank, 3), 7, split=True) for rank in range(3)]
+    assert [share.ids for share in shares] == [[0, 3, 6], [1, 4], [2, 5]]
+    assert {share.steps for share in shares} == {3}  # every rank takes part in every step, with a batch or not
+    assert _interleaved([[f"b{i}" for i in share.ids] for share in shares], 7) == [f"b{i}" for i in range(7)]
+    assert batch_share(Ranks(1, 3), 7, split=False).ids == list(range(7))  # a smoothing method: every batch
+    assert batch_share(SINGLE, 7, split=True).split is False
+    counts = [{"expert_tokens": {"mlp": [1, 0, 2]}}, {"expert_tokens": {"mlp": [0, 5, 1]}}]
+    assert _add_up(counts) == {"expert_tokens": {"mlp": [1, 5, 3]}}
+
+
+# Three batches of one sample: rank 0 runs batches 0 and 2, rank 1 batch 1 (and nothing at the second step).
+SPLIT = ["--nsamples", "3", "--batch-size", "1"]
 
 
 def _torchrun(command: list[str]) -> list[str]:
@@ -44,18 +60,36 @@ def _rank_pid(agent: int, rank: int) -> int | None:
     return None
 
 
+def test_two_ranks_splitting_the_batches_give_one_process_bytes(smollm2_gguf, tmp_path) -> None:
+    """A dense checkpoint, GPTQ: every linear's Hessian is accumulated by the rank that solves it from both ranks'
+    batches in batch order, and the guard's errors summed in that order, so the export is byte for byte the one
+    process's."""
+    from quantkit.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(str(smollm2_gguf))
+    source = _checkpoint(tmp_path / "dense", layers=2, vocab=len(tokenizer), tokenizer=tokenizer)
+    whole, out = tmp_path / "whole", tmp_path / "out"
+    subprocess.run([*_command(source, whole), *SPLIT], env=_env(0), check=True, capture_output=True, timeout=120)
+    ranks = subprocess.run(_torchrun([*_command(source, out), *SPLIT]), env=_env(0), capture_output=True, text=True,
+                           timeout=180)
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    log = " ".join(ranks.stderr.split())
+    assert "rank 0 of 2: calibration batches [0, 2] of 3" in log and "rank 1 of 2: calibration batches [1] of 3" in log
+    assert _digest(out) == _digest(whole)
+
+
 def test_two_ranks_killed_then_resumed_give_one_process_bytes(smollm2_gguf, tmp_path) -> None:
     """`torchrun --nproc-per-node 2 -m quantkit quantize ...` on the CPU: rank 1 is SIGKILLed while rank 0 writes
     layer 1 (torchrun stops rank 0); nothing is at the output; the rerun resumes from the finished layers and
     publishes the bytes of a one-process run. A Qwen3-MoE checkpoint: its dense steps (q/k/v, o: one group, solved
-    by rank 0 while rank 1 takes no share) and its experts (spread over both ranks)."""
+    by rank 0 while rank 1 takes no share) and its experts (spread over both ranks), the batches split."""
     from quantkit.models.loading import load_tokenizer
 
     source = _moe_checkpoint(tmp_path / "moe", "qwen3_moe", load_tokenizer(str(smollm2_gguf)))
     whole = tmp_path / "whole"
-    subprocess.run(_command(source, whole), env=_env(0), check=True, capture_output=True, timeout=120)
+    subprocess.run([*_command(source, whole), *SPLIT], env=_env(0), check=True, capture_output=True, timeout=120)
     out = tmp_path / "out"
-    proc = subprocess.Popen(_torchrun(_command(source, out)), env=_env(PAUSE), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_torchrun([*_command(source, out), *SPLIT]), env=_env(PAUSE), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     marks = 0
     for line in proc.stderr:
@@ -67,7 +101,8 @@ def test_two_ranks_killed_then_resumed_give_one_process_bytes(smollm2_gguf, tmp_
     proc.stderr.close()
     assert proc.returncode != 0 and not out.exists()
     assert (work_dir_for(out) / "layer-00000.safetensors").is_file()
-    final = subprocess.run(_torchrun(_command(source, out)), env=_env(0), capture_output=True, text=True, timeout=180)
+    final = subprocess.run(_torchrun([*_command(source, out), *SPLIT]), env=_env(0), capture_output=True, text=True,
+                           timeout=180)
     assert final.returncode == 0, final.stderr[-3000:]
     assert "resuming" in " ".join(final.stderr.split())
     assert _digest(out) == _digest(whole) and not work_dir_for(out).exists()

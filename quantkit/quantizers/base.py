@@ -95,7 +95,18 @@ class Method(ABC):
     def needs_calibration(self) -> bool:
         """Whether the engine runs the calibration set through the layers at all: the linears read activations,
         or the method smooths. RTN does neither, so it runs no calibration forward pass."""
-        return self.needs_activations or type(self).smooth_layer is not Method.smooth_layer
+        return self.needs_activations or self.smooths
+
+    @property
+    def smooths(self) -> bool:
+        return type(self).smooth_layer is not Method.smooth_layer
+
+    @property
+    def splits_batches(self) -> bool:
+        """Whether several ranks may each run only their share of the calibration batches: what the method reads
+        of them comes through its quantizers' add_batch (the engine feeds them in batch order), while a smoothing
+        step searches over the batches itself."""
+        return not self.smooths
 
 
 # Filled by the built-in methods' modules, which the package's __init__ imports (Python runs it before this module)

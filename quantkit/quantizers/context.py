@@ -52,9 +52,9 @@ class LayerContext:
         return outputs
 
     @torch.no_grad()
-    def run_until(self, names: list[str]) -> None:
-        """Run every batch only until each named module has run: statistics for the first linears
-        of a layer need none of the layer's later (attention, MLP) work."""
+    def run_until(self, names: list[str], batches: list[int] | None = None) -> None:
+        """Run every batch (or those at the `batches` positions) only until each named module has run: statistics
+        for the first linears of a layer need none of the layer's later (attention, MLP) work."""
         pending: set[str] = set()
 
         def done(_m, _args, _out, name: str) -> None:
@@ -64,8 +64,9 @@ class LayerContext:
 
         handles = [self.module(n).register_forward_hook(lambda m, a, o, n=n: done(m, a, o, n)) for n in names]
         try:
-            for batch, (x, kwargs, mask) in enumerate(zip(self.inputs, self.kwargs, self.token_masks, strict=True)):
-                self.current_mask, self.current_batch = mask, batch
+            for batch in range(len(self.inputs)) if batches is None else batches:
+                x, kwargs = self.inputs[batch], self.kwargs[batch]
+                self.current_mask, self.current_batch = self.token_masks[batch], batch
                 pending.update(names)
                 try:
                     self.layer(x, **kwargs)

@@ -8,7 +8,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,7 +187,9 @@ def quantize_streaming(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, toke
             output.parent.mkdir(parents=True, exist_ok=True)
         start = ranks.from_writer(work.open(run.resume) if ranks.writer else None)
 
-        def on_layer_done(index: int, layer: nn.Module, outputs: list[torch.Tensor], entry: dict) -> None:
+        def on_layer_done(index: int, layer: nn.Module, all_outputs: Callable[[], list[torch.Tensor] | None],
+                          entry: dict) -> None:
+            outputs = all_outputs() if ranks.from_writer(work.hidden_due() if ranks.writer else None) else None
             if ranks.writer:
                 pause_between_phases()
                 work.save_layer(index, layer_export_tensors(index, layer, adapter, fmt, torch_dtype), outputs, entry)

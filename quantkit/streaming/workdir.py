@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -123,13 +124,17 @@ class WorkDir:
     def _write_manifest(self) -> None:
         _replace_atomically(self.path / MANIFEST, lambda p: p.write_text(json.dumps(self.manifest, indent=1, default=str)))
 
-    def save_layer(self, index: int, tensors: dict[str, torch.Tensor], outputs: list[torch.Tensor],
+    def hidden_due(self) -> bool:
+        """Whether the next layer's outputs are to be saved: `resume_interval` seconds passed since the last."""
+        return time.monotonic() - self._hidden_saved >= self.resume_interval
+
+    def save_layer(self, index: int, tensors: dict[str, torch.Tensor], outputs: Iterable[torch.Tensor] | None,
                    entry: dict) -> None:
         """Queues layer `index`'s export tensors (dict order kept in the manifest), and the hidden states it
-        produced when `resume_interval` seconds passed since the last ones, for the writer thread, once the
-        previous layer's are written. The hidden states are copied here: the engine reuses their buffers."""
+        produced (every batch's, given when hidden_due()), for the writer thread, once the previous layer's are
+        written. The hidden states are copied here: the engine reuses their buffers."""
         hidden = None
-        if time.monotonic() - self._hidden_saved >= self.resume_interval:
+        if outputs is not None:
             hidden = {f"batch.{j}": x.detach().to("cpu", copy=True).contiguous() for j, x in enumerate(outputs)}
             self._hidden_saved = time.monotonic()
         self.flush()
