@@ -163,7 +163,8 @@ def main() -> None:
     texts = {name: load_text(path) for name, path in default_heldout_texts().items()}
     measure(args, model, tokenizer, texts, runs, save)
     save()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
     model_arg = f"--model {args.model} " if args.model else ""
     command = (f"python benchmarks/bench_accuracy.py {model_arg}--nsamples {args.nsamples} --seqlen {args.seqlen} "
                f"--windows {args.windows} --batch-size {args.batch_size} --seeds {' '.join(map(str, args.seeds))} "

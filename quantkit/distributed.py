@@ -2,13 +2,13 @@
 layer's experts spread over the ranks); the results are exchanged, so every rank goes on with the same quantized
 layer; rank 0 alone writes the work folder and the export.
 
-The calibration batches are split over the ranks (batch b on rank b % world) for the methods whose per-batch work
-is the engine's (statistics, next inputs, the no-harm guard: GPTQ); each rank runs the layer's forwards on its
-batches only. The export still has one process's bytes: a linear's statistics are accumulated by the one rank that
-solves it, from every batch's inputs in batch order (each batch's rank sends them), exactly as one process does,
-and the guard's per-batch errors are summed in batch order. (All-reducing per-rank Hessians, as llm-compressor
-does, sums them in another order: close, not the same bytes.) A method that searches over the batches itself (AWQ,
-awq-gptq, QQQ: their smoothing) runs every batch on every rank and shares only the solves.
+The calibration batches are split over the ranks (batch b on rank b % world): each rank runs the layer's forwards
+on its batches only. The export still has one process's bytes: a linear's statistics are accumulated by the one
+rank that solves it, from every batch's inputs in batch order (each batch's rank sends them), exactly as one
+process does; every per-batch figure (the guard's errors, AWQ's mean |x|, each scale candidate's loss, the clip
+search's sampled rows) is gathered and added up in batch order. (All-reducing per-rank Hessians, as llm-compressor
+does, sums them in another order: close, not the same bytes.) QQQ, whose smoothing reads the batches its own way,
+runs every batch on every rank and shares only the solves.
 """
 
 from __future__ import annotations
@@ -53,18 +53,29 @@ class Ranks:
             return groups
         return [group for group, owner in zip(groups, self.owners(groups, cost), strict=True) if owner == self.rank]
 
-    def deliver(self, produced: dict[str, list[torch.Tensor]], owners: dict[str, int], device: torch.device,
-                feed: Callable[[str, torch.Tensor], None]) -> None:
-        """One step of split batches (each rank ran its batch of the step, or none): every group's inputs, as each
-        rank's batch produced them (name -> tensors in call order), fed to the group's owner in the batches' order
-        (rank order within a step). Every rank calls it with the same `owners`, in the same order."""
+    def deliver(self, produced: dict[str, list[torch.Tensor]], owners: dict[str, int | None], share: BatchShare,
+                device: torch.device, feed: Callable[[str, torch.Tensor], None]) -> None:
+        """One step of the batches (each rank ran its batch of the step, or none): every group's inputs, as each
+        rank's batch produced them (name -> tensors in call order), fed to the group's owner (None: every rank) in
+        the batches' order (rank order within a step). Every rank calls it with the same `owners`, in the same
+        order. Unsplit, this rank's own inputs go to the groups it owns."""
+        if not share.split:
+            for name, owner in owners.items():
+                for x in produced[name] if owner in (None, self.rank) else []:
+                    feed(name, x)
+            return
         shapes: list[dict | None] = [None] * self.world
         dist.all_gather_object(shapes, {n: [(tuple(x.shape), x.dtype) for x in xs] for n, xs in produced.items()})
         for name, owner in owners.items():
             for source, theirs in enumerate(shapes):
                 for position, (shape, dtype) in enumerate((theirs or {}).get(name, [])):
-                    if source == self.rank:
-                        x = produced[name][position]
+                    x = produced[name][position] if source == self.rank else None
+                    if owner is None:  # every rank
+                        x = x.contiguous() if x is not None else torch.empty(shape, dtype=dtype, device=device)
+                        if x.numel():
+                            dist.broadcast(x, source)
+                        feed(name, x)
+                    elif x is not None:
                         if owner == self.rank:
                             feed(name, x)
                         elif x.numel():
@@ -82,6 +93,15 @@ class Ranks:
         gathered: list[list | None] = [None] * self.world
         dist.all_gather_object(gathered, values)
         return _interleaved(gathered, share.total)
+
+    def step_values(self, value, share: BatchShare) -> list:
+        """Every rank's `value` for one step of split batches (rank order is the batches' order); unsplit,
+        [value]."""
+        if not share.split:
+            return [value]
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, value)
+        return gathered
 
     def gather_batches(self, tensors: list[torch.Tensor], share: BatchShare) -> list[torch.Tensor] | None:
         """Every batch's tensor (this rank's: `tensors`, for share.ids) in batch order on the writer (on the host),

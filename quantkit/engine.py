@@ -29,7 +29,7 @@ from torch import nn
 
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
-from quantkit.distributed import SINGLE, BatchShare, Ranks, batch_share
+from quantkit.distributed import SINGLE, Ranks, batch_share
 from quantkit.layer_guard import guard_layer, snapshot
 from quantkit.models.adapters import ArchAdapter
 from quantkit.models.moe import (
@@ -196,13 +196,12 @@ class _PhaseTimer:
 
 def _quantize_step(
     ctx: LayerContext, method: Method, names: list[str], timer: _PhaseTimer, calibration: LayerCalibration,
-    share: BatchShare,
 ) -> dict[str, QuantizedWeight]:
     """Quantize one sequential step's linears: their statistics, then their solves, a part of the step at a time
     where the statistics of all of it would not fit (an MoE layer's experts: 256 Hessians of 7168^2 are 52 GB).
     The parts' results equal the whole step's: the step's linears read inputs none of them writes. With several
     ranks, each gathers and solves its share of a part's groups, then all take every result."""
-    ranks = share.ranks
+    ranks = ctx.share.ranks
     linears = {n: ctx.module(n) for n in names}
     quantizers = {n: calibration.quantizer(method, lin, n, ctx.index) for n, lin in linears.items()}
     shared = _same_input_sharers(ctx.adapter, quantizers)
@@ -213,9 +212,9 @@ def _quantize_step(
     for part in _statistics_parts(groups, quantizers, ctx.device):
         owners = ranks.owners(part, cost)
         mine = [group for group, owner in zip(part, owners, strict=True) if owner == ranks.rank]
-        if method.needs_activations and share.split:
+        if method.needs_activations and ctx.share.split:
             _gather_shared_statistics(ctx, {group[0]: owner for group, owner in zip(part, owners, strict=True)},
-                                      linears, quantizers, timer, share)
+                                      linears, quantizers, timer)
         elif method.needs_activations and mine:
             _gather_statistics(ctx, [group[0] for group in mine], linears, quantizers, timer)
         for group in mine:
@@ -263,7 +262,7 @@ def _gather_statistics(ctx: LayerContext, owners: list[str], linears: dict[str, 
 
 
 def _gather_shared_statistics(ctx: LayerContext, owners: dict[str, int], linears: dict[str, nn.Module],
-                              quantizers: dict[str, LinearQuantizer], timer: _PhaseTimer, share: BatchShare) -> None:
+                              quantizers: dict[str, LinearQuantizer], timer: _PhaseTimer) -> None:
     """Split batches: at each step this rank runs its batch (if it has one left) and keeps every group's inputs;
     each group's owner is then fed every rank's, in batch order (Ranks.deliver)."""
     produced: dict[str, list[torch.Tensor]] = {}
@@ -271,11 +270,12 @@ def _gather_shared_statistics(ctx: LayerContext, owners: dict[str, int], linears
         lambda _m, args, _o, n=n: produced[n].append(ctx.real_tokens(args[0]))) for n in owners]
     try:
         with timer("forward+statistics"):
-            for step in range(share.steps):
+            for position in ctx.stepwise():
                 produced.update({n: [] for n in owners})
-                if step < len(ctx.inputs):
-                    ctx.run_until(list(owners), [step])
-                share.ranks.deliver(produced, owners, ctx.device, lambda n, x: quantizers[n].add_batch(x))
+                if position is not None:
+                    ctx.run_until(list(owners), [position])
+                ctx.share.ranks.deliver(produced, owners, ctx.share, ctx.device,
+                                        lambda n, x: quantizers[n].add_batch(x))
     finally:
         for h in handles:
             h.remove()
@@ -393,7 +393,7 @@ def quantize_model(
             t0 = time.perf_counter()
             with timer("transfer"):
                 hooks.source.load(i, layer, device)
-            ctx = LayerContext(i, layer, adapter, inputs, _move(layer_kwargs[i], device), masks, device)
+            ctx = LayerContext(i, layer, adapter, inputs, _move(layer_kwargs[i], device), masks, device, share=share)
             calibration.attach(layer, ctx)
             original = snapshot(layer) if guarded and _guard_fits(layer, device, i) else None
             with timer("smooth"):
@@ -402,12 +402,11 @@ def quantize_model(
                 entry["guard"] = "skipped: the layer's copies do not fit"
             results: dict[str, QuantizedWeight] = {}
             for step in adapter.sequential:
-                results.update(_quantize_step(ctx, method, [n for n in step if _has(layer, n)], timer, calibration,
-                                              share))
+                results.update(_quantize_step(ctx, method, [n for n in step if _has(layer, n)], timer, calibration))
             outputs, routing = _layer_outputs(ctx, store, timer, calibration)
             if original is not None:
                 with timer("guard"):
-                    entry["guard"], fallback = guard_layer(ctx, original, results, outputs, config, share)
+                    entry["guard"], fallback = guard_layer(ctx, original, results, outputs, config)
                 del original
                 if fallback is not None:
                     results = fallback

@@ -20,7 +20,6 @@ from torch import nn
 from torch.func import functional_call
 
 from quantkit.config import QuantConfig
-from quantkit.distributed import SINGLE, BatchShare, batch_share
 from quantkit.qtensor import QuantizedWeight
 from quantkit.quantizers.context import LayerContext, first_output
 from quantkit.quantizers.rtn import rtn_quantize
@@ -41,9 +40,9 @@ def rtn_weights(original: dict[str, torch.Tensor], names: Iterable[str], config:
 
 @torch.no_grad()
 def output_errors(ctx: LayerContext, quantized: Iterable[torch.Tensor], original: dict[str, torch.Tensor],
-                  rtn: dict[str, torch.Tensor], share: BatchShare | None = None) -> tuple[float, float]:
+                  rtn: dict[str, torch.Tensor]) -> tuple[float, float]:
     """Summed squared output error over real tokens of the quantized outputs and of RTN's, against the original;
-    with split batches (`share`), every rank's batches summed in batch order."""
+    with split batches, every rank's batches summed in batch order."""
     errors = []
     for batch, (x, kwargs, mask, out) in enumerate(zip(ctx.inputs, ctx.kwargs, ctx.token_masks, quantized,
                                                         strict=True)):
@@ -54,9 +53,8 @@ def output_errors(ctx: LayerContext, quantized: Iterable[torch.Tensor], original
         errors.append((float((ctx.real_tokens(out).double() - reference).pow(2).sum()),
                        float((ctx.real_tokens(with_rtn).double() - reference).pow(2).sum())))
     ctx.current_mask = ctx.current_batch = None
-    share = share or batch_share(SINGLE, len(errors), False)
     method_error = rtn_error = 0.0
-    for method_batch, rtn_batch in share.ranks.in_batch_order(errors, share):  # += in order (not sum(): 3.12 compensates)
+    for method_batch, rtn_batch in ctx.in_batch_order(errors):  # += in order (not sum(): 3.12 compensates)
         method_error += method_batch
         rtn_error += rtn_batch
     return method_error, rtn_error
@@ -64,13 +62,12 @@ def output_errors(ctx: LayerContext, quantized: Iterable[torch.Tensor], original
 
 @torch.no_grad()
 def guard_layer(ctx: LayerContext, original: dict[str, torch.Tensor], results: dict[str, QuantizedWeight],
-                outputs: Iterable[torch.Tensor], config: QuantConfig,
-                share: BatchShare | None = None) -> tuple[dict, dict[str, QuantizedWeight] | None]:
+                outputs: Iterable[torch.Tensor], config: QuantConfig) -> tuple[dict, dict[str, QuantizedWeight] | None]:
     """(report entry, RTN's weights if the layer must fall back to them, else None). On a fallback the layer holds
     its original state with RTN's dequantized weights."""
     rtn = rtn_weights(original, results, config)
     dequantized = {f"{n}.weight": qw.dequantize(original[f"{n}.weight"].dtype) for n, qw in rtn.items()}
-    method_error, rtn_error = output_errors(ctx, outputs, original, dequantized, share)
+    method_error, rtn_error = output_errors(ctx, outputs, original, dequantized)
     entry = {"output_error": method_error, "rtn_output_error": rtn_error}
     if not method_error > rtn_error:
         return entry, None

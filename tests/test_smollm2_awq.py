@@ -19,7 +19,7 @@ from realmodel import check_scale_search_never_above_the_identity, mean
 
 from quantkit.config import QuantConfig
 
-pytestmark = pytest.mark.slow(seconds=300)  # this file's time in the suite, 2026-12-07: conftest.py orders by it
+pytestmark = pytest.mark.slow(seconds=220)  # this file's time in the suite, 2026-12-07: conftest.py orders by it
 REPORT = "smollm2_awq"  # QUANTKIT_TEST_REPORT=DIR: DIR/smollm2_awq.json
 AWQ = QuantConfig(method="awq", group_size=64, sym=False)
 RTN = QuantConfig(method="rtn", group_size=64, sym=False)
@@ -27,7 +27,7 @@ EXPORTED = ["awq", "compressed-tensors"]
 
 
 def test_awq_costs_less_perplexity_than_rtn(smollm2_runs) -> None:
-    """Mean NLL of both texts; SEEDS_SMOLLM2.md: margin 0.10-0.12, 5.5x its spread over three seeds."""
+    """Mean NLL of both texts; SEEDS_SMOLLM2.md: margin 0.09-0.10, 13x its spread over three seeds."""
     fp, rtn, awq = smollm2_runs.fp.nll, smollm2_runs[RTN].nll, smollm2_runs[AWQ].nll
     assert mean(awq) < mean(rtn), (fp, rtn, awq)
 

@@ -131,53 +131,56 @@ def scaled_fake_quant(weight: torch.Tensor, scales: torch.Tensor, config: QuantC
 
 @dataclass
 class _GroupData:
-    """One capture pass for a scaling group: x̄'s sum over every batch, and what its loss needs of the first
-    `scored_batches`."""
+    """One capture pass for a scaling group: x̄'s sum over every batch (every rank's), and what its loss needs of
+    this rank's batches among the run's first `scored_batches`, per batch of this rank (empty when not scored)."""
 
     scored_batches: int
     abs_sum: torch.Tensor | None = None
     tokens: int = 0
     scored_tokens: int = 0
-    inputs: list[torch.Tensor] = field(default_factory=list)  # no inspected block: the linears' input
-    calls: list[tuple[tuple, dict]] = field(default_factory=list)  # the inspected block's call per batch
-    outputs: list[torch.Tensor] = field(default_factory=list)  # its unquantized output, real tokens
+    inputs: list[list[torch.Tensor]] = field(default_factory=list)  # no inspected block: the linears' input
+    calls: list[list[tuple[tuple, dict]]] = field(default_factory=list)  # the inspected block's calls
+    outputs: list[list[torch.Tensor]] = field(default_factory=list)  # its unquantized outputs, real tokens
 
 
-def scored_batch_count(token_masks: list[torch.Tensor], search_tokens: int) -> int:
+def scored_batch_count(token_counts: list[int], search_tokens: int) -> int:
     """How many leading batches hold at most search_tokens real tokens (at least one; 0 tokens: all)."""
     if search_tokens == 0:
-        return len(token_masks)
+        return len(token_counts)
     total = 0
-    for count, mask in enumerate(token_masks):
-        total += int(mask.sum())
+    for count, tokens in enumerate(token_counts):
+        total += tokens
         if total > search_tokens:
             return max(count, 1)
-    return len(token_masks)
+    return len(token_counts)
+
+
+def batch_tokens(ctx: LayerContext) -> list[int]:
+    """The real tokens of each of the run's batches (every rank's)."""
+    return ctx.in_batch_order([int(mask.sum()) for mask in ctx.token_masks])
 
 
 def _capture(ctx: LayerContext, group: ScalingGroup, search_tokens: int) -> _GroupData:
-    data = _GroupData(scored_batches=scored_batch_count(ctx.token_masks, search_tokens))
+    data = _GroupData(scored_batches=scored_batch_count(batch_tokens(ctx), search_tokens))
+    data.inputs, data.calls, data.outputs = ([[] for _ in ctx.inputs] for _ in range(3))
+    sums: list[list[tuple[torch.Tensor, int]]] = [[] for _ in ctx.inputs]  # per batch: (sum of |x|, rows) per call
 
     def scored() -> bool:
-        return ctx.current_batch < data.scored_batches
+        return ctx.batch_id(ctx.current_batch) < data.scored_batches
 
     def on_linear(_m, args, _out) -> None:
         x = ctx.real_tokens(args[0])
-        column_sum = x.abs().sum(0, dtype=_wide(x.dtype))
-        data.abs_sum = column_sum if data.abs_sum is None else data.abs_sum + column_sum
-        data.tokens += x.shape[0]
-        if scored():
-            data.scored_tokens += x.shape[0]
-            if group.inspect is None:
-                data.inputs.append(x)
+        sums[ctx.current_batch].append((ctx.portable(x.abs().sum(0, dtype=_wide(x.dtype))), x.shape[0]))
+        if scored() and group.inspect is None:
+            data.inputs[ctx.current_batch].append(x)
 
     def keep_call(_m, args, kwargs) -> None:
         if scored():
-            data.calls.append((args, kwargs))
+            data.calls[ctx.current_batch].append((args, kwargs))
 
     def keep_output(_m, _args, out) -> None:
         if scored():
-            data.outputs.append(ctx.real_tokens(first_output(out)))
+            data.outputs[ctx.current_batch].append(ctx.real_tokens(first_output(out)))
 
     handles = [ctx.module(group.input_of).register_forward_hook(on_linear)]  # the group shares its input
     if group.inspect is not None:
@@ -189,6 +192,12 @@ def _capture(ctx: LayerContext, group: ScalingGroup, search_tokens: int) -> _Gro
     finally:
         for h in handles:
             h.remove()
+    for batch, batch_sums in enumerate(ctx.in_batch_order(sums)):  # every rank's batches, in batch order
+        for column_sum, rows in batch_sums:
+            column_sum = column_sum.to(ctx.device)
+            data.abs_sum = column_sum if data.abs_sum is None else data.abs_sum + column_sum
+            data.tokens += rows
+            data.scored_tokens += rows if batch < data.scored_batches else 0
     return data
 
 
@@ -197,26 +206,28 @@ def _real_index(ctx: LayerContext) -> list[torch.Tensor]:
     return [mask.reshape(-1).nonzero().squeeze(1) for mask in ctx.token_masks]
 
 
-def _block_error(block: nn.Module, data: _GroupData, index: list[torch.Tensor]) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64, device=index[0].device)
-    for (args, kwargs), reference, rows in zip(data.calls, data.outputs, index, strict=True):
-        out = first_output(block(*args, **kwargs))
-        out = out.reshape(-1, out.shape[-1]).index_select(0, rows)
-        wide = _wide(out.dtype)
-        total += (out.to(wide) - reference.to(wide)).pow(2).sum()
-    return total
+def _block_errors(block: nn.Module, data: _GroupData, index: list[torch.Tensor]) -> list[list[tuple[float, int]]]:
+    """Per batch of this rank, per scored call: the squared output error summed, and its element count."""
+    errors = []
+    for calls, references, rows in zip(data.calls, data.outputs, index, strict=True):
+        errors.append([])
+        for (args, kwargs), reference in zip(calls, references, strict=True):
+            out = first_output(block(*args, **kwargs))
+            out = out.reshape(-1, out.shape[-1]).index_select(0, rows)
+            wide = _wide(out.dtype)
+            errors[-1].append((float((out.to(wide) - reference.to(wide)).pow(2).sum()), reference.numel()))
+    return errors
 
 
-def _linear_error(inputs: list[torch.Tensor], weights: list[torch.Tensor],
-                  trials: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of squared output errors X (W' - W)^T: the biases cancel, no reference output is kept."""
-    total = torch.zeros((), dtype=torch.float64, device=weights[0].device)
+def _linear_errors(inputs: list[list[torch.Tensor]], weights: list[torch.Tensor],
+                   trials: list[torch.Tensor]) -> list[list[list[float]]]:
+    """Per batch of this rank, per scored input, per weight: the squared output error X (W' - W)^T summed (the
+    biases cancel, no reference output is kept)."""
+    deltas = []
     for weight, trial in zip(weights, trials, strict=True):
         wide = _wide(weight.dtype)
-        delta = (trial.to(wide) - weight.to(wide)).to(weight.dtype)
-        for x in inputs:
-            total += (x @ delta.T).to(wide).pow(2).sum()
-    return total
+        deltas.append(((trial.to(wide) - weight.to(wide)).to(weight.dtype), wide))
+    return [[[float((x @ delta.T).to(wide).pow(2).sum()) for delta, wide in deltas] for x in batch] for batch in inputs]
 
 
 class _Scorer:
@@ -226,11 +237,11 @@ class _Scorer:
         self.group, self.data, self.trial_weight = group, data, trial_weight
         self.linears = [ctx.module(n) for n in group.linears]
         self.weights = [lin.weight.detach().clone() for lin in self.linears]
+        self.ctx = ctx
         if group.inspect is None:
             self.count = data.scored_tokens * sum(w.shape[0] for w in self.weights)
         else:
-            self.block, self.index = ctx.module(group.inspect), _real_index(ctx)[:data.scored_batches]
-            self.count = data.scored_tokens * data.outputs[0].shape[-1]
+            self.block, self.index = ctx.module(group.inspect), _real_index(ctx)
 
     def __enter__(self) -> _Scorer:
         return self
@@ -240,12 +251,23 @@ class _Scorer:
             lin.weight.copy_(weight)
 
     def __call__(self, scales: torch.Tensor) -> float:
+        """Every rank's scored batches' errors summed in batch order (one process's order: the weights outermost)."""
         trials = [self.trial_weight(w, scales) for w in self.weights]
+        total = 0.0
         if self.group.inspect is None:
-            return float(_linear_error(self.data.inputs, self.weights, trials)) / self.count
+            batches = self.ctx.in_batch_order(_linear_errors(self.data.inputs, self.weights, trials))
+            for w in range(len(self.weights)):
+                for errors in (per_input[w] for batch in batches for per_input in batch):
+                    total += errors
+            return total / self.count
         for lin, trial in zip(self.linears, trials, strict=True):
             lin.weight.copy_(trial)
-        return float(_block_error(self.block, self.data, self.index)) / self.count
+        count = 0
+        for batch in self.ctx.in_batch_order(_block_errors(self.block, self.data, self.index)):
+            for error, elements in batch:
+                total += error
+                count += elements
+        return total / count
 
 
 def search_order(grid: int, search: str, loss: Callable[[int], float]) -> dict[int, float]:
@@ -432,23 +454,35 @@ def clip_targets(ctx: LayerContext) -> list[str]:
 
 
 def _sample_inputs(ctx: LayerContext, names: list[str]) -> dict[str, torch.Tensor]:
-    """Every stride-th real token entering each named linear, stride = tokens // CLIP_TOKENS (AutoAWQ)."""
-    stride = max(1, sum(int(m.sum()) for m in ctx.token_masks) // CLIP_TOKENS)
-    samples: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    seen = dict.fromkeys(names, 0)
-
-    def keep(name: str, x: torch.Tensor) -> None:
-        rows = ctx.real_tokens(x)
-        samples[name].append(rows[(-seen[name]) % stride::stride].clone())
-        seen[name] += rows.shape[0]
-
-    handles = [ctx.module(n).register_forward_hook(lambda _m, args, _o, n=n: keep(n, args[0])) for n in names]
+    """Every stride-th real token entering each named linear, stride = tokens // CLIP_TOKENS (AutoAWQ), counted
+    over every rank's batches in batch order (a step of the batches at a time: a batch's first sampled row
+    depends on the rows before it)."""
+    stride = max(1, sum(batch_tokens(ctx)) // CLIP_TOKENS)
+    seen = dict.fromkeys(names, 0)  # rows that entered each linear in the steps before
+    entering: dict[str, list[torch.Tensor]] = {}
+    kept: list[dict[str, list[torch.Tensor]]] = []  # per batch of this rank
+    handles = [ctx.module(n).register_forward_hook(lambda _m, args, _o, n=n: entering[n].append(
+        ctx.real_tokens(args[0]))) for n in names]
     try:
-        ctx.run_until(names)
+        for position in ctx.stepwise():
+            entering.update({n: [] for n in names})
+            if position is not None:
+                ctx.run_until(names, [position])
+            counts = ctx.step_values(None if position is None else {n: [x.shape[0] for x in entering[n]] for n in names})
+            mine = ctx.share.ranks.rank if ctx.share.split else 0
+            if position is not None:
+                kept.append({})
+            for name in names:
+                offset = seen[name] + sum(sum(c[name]) for c in counts[:mine] if c is not None)
+                for x in entering[name]:
+                    kept[-1].setdefault(name, []).append(ctx.portable(x[(-offset) % stride::stride].clone()))
+                    offset += x.shape[0]
+                seen[name] += sum(sum(c[name]) for c in counts if c is not None)
     finally:
         for h in handles:
             h.remove()
-    return {n: torch.cat(rows) for n, rows in samples.items()}
+    batches = ctx.in_batch_order(kept)
+    return {n: torch.cat([x.to(ctx.device) for batch in batches for x in batch.get(n, [])]) for n in names}
 
 
 def clip_layer(ctx: LayerContext, config: QuantConfig) -> dict:
@@ -475,6 +509,7 @@ class AWQ(Method):
     name = "awq"
     needs_activations = False  # every statistic is used in smooth_layer; the linears get plain RTN
     options_class = AWQOptions
+    smoothing_splits_batches = True
 
     def linear_quantizer(self, linear: nn.Linear) -> LinearQuantizer:
         return RTNQuantizer(linear, self.config)

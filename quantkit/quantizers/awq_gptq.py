@@ -108,12 +108,15 @@ class AWQGPTQQuantizer(GPTQQuantizer):
 
 
 def input_hessian(ctx: LayerContext, name: str, config: QuantConfig) -> torch.Tensor | None:
-    """GPTQ's Hessian of the named linear's inputs in the layer as it stands (None: no token reached it)."""
-    with ctx.capture_inputs([name]) as captured:
-        ctx.run_until([name])
+    """GPTQ's Hessian of the named linear's inputs in the layer as it stands (None: no token reached it), on every
+    rank: each step's inputs go to every rank, in batch order."""
     accumulator = GPTQQuantizer(ctx.module(name), config)
-    for x in captured[name]:
-        accumulator.add_batch(x)
+    with ctx.capture_inputs([name]) as captured:
+        for position in ctx.stepwise():
+            captured[name].clear()
+            if position is not None:
+                ctx.run_until([name], [position])
+            ctx.share.ranks.deliver(captured, {name: None}, ctx.share, ctx.device, lambda _n, x: accumulator.add_batch(x))
     return accumulator.H
 
 

@@ -80,6 +80,9 @@ class Method(ABC):
     rtn_guard: ClassVar[bool] = True
     # scheme fields the method fixes (QuantConfig applies them at construction, refusing a contradiction)
     required_scheme: ClassVar[dict[str, Any]] = {}
+    # a smoothing step that reads the batches only through LayerContext's batch-order helpers (stepwise,
+    # in_batch_order, Ranks.deliver), so that several ranks can each run a share of them
+    smoothing_splits_batches: ClassVar[bool] = False
 
     def __init__(self, config: QuantConfig) -> None:
         self.config = config
@@ -104,9 +107,9 @@ class Method(ABC):
     @property
     def splits_batches(self) -> bool:
         """Whether several ranks may each run only their share of the calibration batches: what the method reads
-        of them comes through its quantizers' add_batch (the engine feeds them in batch order), while a smoothing
-        step searches over the batches itself."""
-        return not self.smooths
+        of them comes through its quantizers' add_batch (the engine feeds them in batch order) and its smoothing
+        step, if any, says it can."""
+        return not self.smooths or self.smoothing_splits_batches
 
 
 # Filled by the built-in methods' modules, which the package's __init__ imports (Python runs it before this module)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quantkit.distributed import SINGLE, BatchShare, batch_share
 from quantkit.models.adapters import ArchAdapter
 
 
@@ -35,6 +36,35 @@ class LayerContext:
     device: torch.device
     current_mask: torch.Tensor | None = None  # the batch being run, for hooks that drop padding
     current_batch: int | None = None  # its index in inputs
+    # which of the run's batches `inputs` are, with several ranks splitting them (quantkit.distributed); None: all
+    share: BatchShare | None = None
+
+    def __post_init__(self) -> None:
+        if self.share is None:
+            self.share = batch_share(SINGLE, len(self.inputs), False)
+
+    def batch_id(self, position: int) -> int:
+        """The run's index of the batch at `position` in inputs."""
+        return self.share.ids[position]
+
+    def in_batch_order(self, values: list) -> list:
+        """Per-batch values of this rank's batches (in inputs' order) and every other rank's, in batch order."""
+        return self.share.ranks.in_batch_order(values, self.share)
+
+    def portable(self, x: torch.Tensor) -> torch.Tensor:
+        """x as it can go to the other ranks (on the host) when the batches are split; else x itself."""
+        return x.cpu() if self.share.split else x
+
+    def step_values(self, value) -> list:
+        """One step of the batches (stepwise()): every rank's `value` (None from a rank without a batch at this
+        step), in batch order; unsplit, [value]."""
+        return self.share.ranks.step_values(value, self.share)
+
+    def stepwise(self) -> Iterator[int | None]:
+        """The position in inputs of this rank's batch at each step of the run's batches (None once this rank has
+        none left): split batches are run a step at a time, in lockstep with the other ranks."""
+        for step in range(self.share.steps):
+            yield step if step < len(self.inputs) else None
 
     def module(self, name: str) -> nn.Module:
         return self.layer.get_submodule(name)
