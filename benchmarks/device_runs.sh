@@ -7,7 +7,7 @@
 #   e2e        the Llama-3-8B-shaped model end to end, compiled, with SDPA beside the kernel          (~4 min)
 #   batches    the same, compiled at batch 1 8 16 64 (#42's bars), fp16 and one scheme: `... batches COMMIT SCHEME` (~8 min)
 #   curve      fp16 and W4A16 compiled at batch 1 4 16 64 128: the throughput-latency curve, equal-latency speedups (~8 min)
-#   e2e70b     the Llama-3-70B shape, 32 of its layers (what fits in fp16 beside the rest), compiled at batch 1 8 64: `... e2e70b COMMIT SCHEME`
+#   e2e70b     the Llama-3-70B shape, 32 of its layers (what fits in fp16 beside the rest), compiled at batch 1 8 64: `... e2e70b COMMIT SCHEME` (~6 min)
 #   stream70b  streamed GPTQ of a Llama-3-70B-shaped checkpoint, 12 layers (~40 GB of local disk)    (~5 min)
 #   stream235b streamed GPTQ of a Qwen3-235B-A22B-shaped checkpoint, 3 layers (~17 GB of local disk)  (~6 min)
 #   deepseek   streamed GPTQ of a DeepSeek-V3-671B-shaped FP8 checkpoint, 2 layers (~52 GB of disk at peak) (~8 min)

@@ -107,14 +107,6 @@ def default_nsamples(device: str) -> int:
     return 128 if torch.device(device).type == "cuda" else 32
 
 
-def _heldout_ppl(model, tokenizer, windows: int, seqlen: int) -> dict[str, float]:
-    from quantkit.data import default_heldout_texts, load_text
-    from quantkit.eval.perplexity import perplexity
-
-    return {name: perplexity(model, tokenizer, load_text(path), seqlen=seqlen, max_windows=windows)["ppl"]
-            for name, path in default_heldout_texts().items()}
-
-
 @app.command()
 def quantize(
     ctx: typer.Context,
@@ -327,6 +319,7 @@ def _quantize(**flags: Any) -> None:
     from quantkit.outputs import output_lock
     from quantkit.preflight import check_quantize_request, check_writable_folder, resolve_device
     from quantkit.streaming import open_streamed_model, streamable_reason
+    from quantkit.streaming.resident import ResidentCheckpoint
 
     job = QuantizeJob.from_flags(flags)
     ranks = ranks_from_environment()  # torchrun: this process's rank; otherwise one process
@@ -357,6 +350,7 @@ def _quantize(**flags: Any) -> None:
             _phase(f"loading {job.model or 'the embedded default model'} whole: {not_streamed}")
             lm, tokenizer = load_model(job.model, dtype=default_dtype(work_device),
                                        trust_remote_code=job.trust_remote_code, allow_pickle=job.allow_pickle)
+            ckpt = ResidentCheckpoint.take(lm, job.model)  # then quantized layer by layer as a checkpoint is
         adapter = get_adapter(lm)
         # scales rounded to the dtype the export serves in (bf16 for Gemma or --dtype bfloat16)
         serving = scale_dtype_for(export_dtype(lm, job.dtype))
@@ -365,37 +359,12 @@ def _quantize(**flags: Any) -> None:
                       f"group {config.group_size} {'sym' if config.sym else 'asym'} -> {job.format}, "
                       f"{nsamples} x {job.seqlen} calibration tokens on {work_device}")
         calib_set = build_calibration_set(tokenizer, passages, nsamples, job.seqlen, job.seed, job.chat_template)
-        if not_streamed is None:
-            _quantize_streamed(job, lm, ckpt, tokenizer, calib_set, config, output, work_device, ranks)
-        else:
-            _quantize_whole(job, lm, tokenizer, calib_set, config, output, work_device)
-
-
-def _quantize_whole(job: QuantizeJob, lm, tokenizer, calib_set, config: QuantConfig, output: Path,
-                    work_device: str) -> None:
-    from quantkit.engine import quantize_model
-    from quantkit.export import export_checkpoint
-    from quantkit.models import get_adapter
-
-    if job.evaluate:
-        _phase("held-out perplexity of the original model")
-    before = _heldout_ppl(lm.to(work_device), tokenizer, job.eval_windows, 512) if job.evaluate else {}
-    report = quantize_model(lm.cpu(), get_adapter(lm), calib_set, config, device=work_device,
-                            batch_size=job.batch_size, offload_dir=job.offload_dir)
-    if job.evaluate:
-        _phase("held-out perplexity of the quantized model")
-    after = _heldout_ppl(lm.to(work_device), tokenizer, job.eval_windows, 512) if job.evaluate else {}
-    _phase(f"exporting to {output}")
-    out = export_checkpoint(lm.cpu(), tokenizer, output, config, job.format, report=report.to_dict(),
-                            dtype=job.dtype, overwrite=job.overwrite)
-    _print_summary(report, out)
-    if job.evaluate:
-        _print_heldout({name: (before[name], after[name], None) for name in before})
+        _quantize_streamed(job, lm, ckpt, tokenizer, calib_set, config, output, work_device, ranks)
 
 
 def _quantize_streamed(job: QuantizeJob, lm, ckpt, tokenizer, calib_set, config: QuantConfig, output: Path,
                        work_device: str, ranks: Ranks) -> None:
-    from quantkit.streaming import StreamedRun, quantize_streaming
+    from quantkit.streaming import SafetensorsCheckpoint, StreamedRun, quantize_streaming
 
     _phase(f"quantizing layer by layer, exporting to {output}")
     run = StreamedRun(config, job.format, output, dtype=job.dtype, device=work_device, batch_size=job.batch_size,
@@ -410,10 +379,11 @@ def _quantize_streamed(job: QuantizeJob, lm, ckpt, tokenizer, calib_set, config:
     _print_summary(report, out)
     if job.evaluate:
         _phase("held-out perplexity and KL of the original and the export, one layer at a time")
-        _print_heldout(_layerwise_heldout(job.model, out, tokenizer, job.eval_windows, work_device))
+        original = job.model if isinstance(ckpt, SafetensorsCheckpoint) else ckpt  # in memory: read from there
+        _print_heldout(_layerwise_heldout(original, out, tokenizer, job.eval_windows, work_device))
 
 
-def _layerwise_heldout(source: str, export: Path, tokenizer, windows: int, device: str) -> dict:
+def _layerwise_heldout(source, export: Path, tokenizer, windows: int, device: str) -> dict:
     from quantkit.data import default_heldout_texts, load_text
     from quantkit.eval.layerwise import layerwise_perplexity
 

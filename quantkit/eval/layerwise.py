@@ -27,6 +27,7 @@ from quantkit.models.moe import unfuse_experts
 from quantkit.quantizers.context import LayerContext
 from quantkit.reload import ExportReader
 from quantkit.streaming import open_streamed_model
+from quantkit.streaming.resident import ResidentCheckpoint
 from quantkit.streaming.skeleton import StreamedLayers, large_allocations_mapped, return_freed_memory
 
 log = logging.getLogger("quantkit")
@@ -35,16 +36,19 @@ log = logging.getLogger("quantkit")
 class _Model:
     """One model of the comparison: its skeleton and where each of its layers comes from."""
 
-    def __init__(self, source: str | Path, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, source: str | Path | ResidentCheckpoint, dtype: torch.dtype, device: torch.device) -> None:
         self.source, self.device = str(source), device
-        if is_quantkit_export(source):
+        if not isinstance(source, ResidentCheckpoint) and is_quantkit_export(source):
             self.reader: ExportReader | None = ExportReader(source, dtype)
             self.model = self.reader.model
             self.adapter = get_adapter(self.model)
             self.reader.materialize(device, outside=self.adapter.layers + ".")
         else:
             self.reader = None
-            self.model, ckpt = open_streamed_model(self.source, dtype)
+            if isinstance(source, ResidentCheckpoint):
+                self.model, ckpt = source.skeleton(dtype), source
+            else:
+                self.model, ckpt = open_streamed_model(self.source, dtype)
             self.adapter = get_adapter(self.model)
             unfuse_experts(self.model, self.adapter)  # experts read per expert, as quantization reads them
             self.layers = StreamedLayers(ckpt, self.adapter, dtype)
@@ -106,11 +110,11 @@ class _Model:
 
 
 @torch.no_grad()
-def layerwise_perplexity(sources: list[str | Path], tokenizer, texts: dict[str, str], seqlen: int = 512,
+def layerwise_perplexity(sources: list[str | Path | ResidentCheckpoint], tokenizer, texts: dict[str, str], seqlen: int = 512,
                          max_windows: int | None = None, batch_size: int = 4, device: str | None = None,
                          dtype: torch.dtype | None = None) -> dict[str, list[dict]]:
     """quantkit.eval.perplexity's scores per text (by label) for each source (safetensors checkpoints streamed,
-    quantkit exports built a layer at a time), every model after the first with "kl" against the first, which
+    quantkit exports built a layer at a time, a model loaded whole read from memory a layer at a time), every model after the first with "kl" against the first, which
     stays the reference. Each model is read once for all the texts."""
     windows = {label: heldout_windows(tokenizer, text, seqlen, max_windows) for label, text in texts.items()}
     return {label: [entry | {"seqlen": seqlen} for entry in entries]
@@ -118,7 +122,7 @@ def layerwise_perplexity(sources: list[str | Path], tokenizer, texts: dict[str, 
 
 
 @torch.no_grad()
-def layerwise_scores(sources: list[str | Path], windows: dict[str, torch.Tensor], batch_size: int = 4,
+def layerwise_scores(sources: list[str | Path | ResidentCheckpoint], windows: dict[str, torch.Tensor], batch_size: int = 4,
                      device: str | None = None, dtype: torch.dtype | None = None) -> dict[str, list[dict]]:
     """layerwise_perplexity's scores on token windows [windows, T] per label (each window predicting its tokens
     1..T-1; every label's windows of one length T)."""
@@ -126,7 +130,7 @@ def layerwise_scores(sources: list[str | Path], windows: dict[str, torch.Tensor]
         return _layerwise_scores(sources, windows, batch_size, device, dtype)
 
 
-def _layerwise_scores(sources: list[str | Path], windows: dict[str, torch.Tensor], batch_size: int,
+def _layerwise_scores(sources: list[str | Path | ResidentCheckpoint], windows: dict[str, torch.Tensor], batch_size: int,
                       device: str | None, dtype: torch.dtype | None) -> dict[str, list[dict]]:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)

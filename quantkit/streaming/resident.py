@@ -41,6 +41,9 @@ class ResidentCheckpoint:
         get_adapter(model).get_layers(model).to("meta")
         return resident
 
+    def __str__(self) -> str:
+        return str(self.folder)
+
     def check_index(self) -> None:
         """Nothing to check: the tensors are in memory."""
 
