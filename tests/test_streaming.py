@@ -3,6 +3,7 @@ memory at a time, and a resume after SIGKILLs that ends in the same bytes as an 
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import json
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_engine import random_calibration
+from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import quantkit.export
@@ -34,6 +36,7 @@ from quantkit.quantizers.gptq import GPTQOptions
 from quantkit.quantizers.qqq import QQQOptions
 from quantkit.reload import load_quantized
 from quantkit.streaming import StreamedRun, open_streamed_model, quantize_streaming
+from quantkit.streaming.resident import ResidentCheckpoint
 from quantkit.streaming.skeleton import StreamedLayers
 from quantkit.streaming.workdir import PAUSE_ENV, PAUSE_MARK, work_dir_for
 
@@ -413,6 +416,55 @@ def test_resume_matches_and_changed_settings_start_over(sharded, tmp_path, singl
         _streamed(sharded, config, "gptq", forced, resume=False)
     assert "starting over (--no-resume)" in caplog.text
     assert _digest(forced) == expected
+
+
+def _loaded_whole(source: Path) -> tuple[nn.Module, ResidentCheckpoint]:
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, use_safetensors=True).eval()
+    return model, ResidentCheckpoint.take(model, "a model in memory")
+
+
+def test_a_model_loaded_whole_goes_through_the_engine_with_the_in_memory_bytes(sharded, tmp_path,
+                                                                              single_thread) -> None:
+    """What `quantkit quantize` does with a GGUF file, a hub name or remote code: the loaded model is the source
+    (ResidentCheckpoint), its layers quantized one at a time with the work folder; a crash at layer 1 resumes from
+    layer 1, to the bytes of quantize_model + export_checkpoint on the same model."""
+    config = CONFIGS["gptq"]
+    expected = _digest(_in_memory(sharded, config, "gptq", tmp_path / "memory"))
+    out = tmp_path / "out"
+    model, resident = _loaded_whole(sharded)
+    assert all(p.is_meta for p in get_adapter(model).get_layers(model).parameters())  # the resident copy serves them
+    crashing = _CrashAfter(resident, get_adapter(model), torch.float32, crash_at=1)
+    run = StreamedRun(config, "gptq", out, dtype="float16", device="cpu", show_progress=False, resume_interval=0)
+    with pytest.raises(_Crash):
+        quantize_streaming(model, resident, None, random_calibration(), run, crashing)
+    assert not out.exists() and work_dir_for(out).is_dir()
+    model, resident = _loaded_whole(sharded)
+    _, report = quantize_streaming(model, resident, None, random_calibration(), run)
+    assert [e["layer"] for e in report.layers] == [0, 1] and _digest(out) == expected
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_an_moe_model_loaded_whole_goes_through_the_engine_with_the_in_memory_bytes(tmp_path, single_thread,
+                                                                                   kind: str) -> None:
+    """Fused 3-D experts in memory, read per expert; Mixtral's tensors also under its checkpoints' names."""
+    from test_moe import tiny_moe
+
+    model, config = tiny_moe(kind, num_hidden_layers=2), CONFIGS["gptq"]
+    in_memory = copy.deepcopy(model)
+    quantize_model(in_memory, get_adapter(in_memory), random_calibration(), config, device="cpu", show_progress=False)
+    expected = _digest(export_checkpoint(in_memory, None, tmp_path / "memory", config, "gptq", dtype="float16"))
+    resident = ResidentCheckpoint.take(model, "a model in memory")
+    run = StreamedRun(config, "gptq", tmp_path / "out", dtype="float16", device="cpu", show_progress=False)
+    out, _ = quantize_streaming(model, resident, None, random_calibration(), run)
+    assert _digest(out) == expected
+
+
+def test_the_original_loaded_whole_scores_as_its_checkpoint_layer_by_layer(sharded, single_thread) -> None:
+    """The layer-by-layer evaluation reads a model loaded whole from memory: the same scores as the checkpoint."""
+    windows = {"text": torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(0))}
+    on_disk = layerwise_scores([sharded], windows, device="cpu", dtype=torch.float32)
+    in_memory = layerwise_scores([_loaded_whole(sharded)[1]], windows, device="cpu", dtype=torch.float32)
+    assert in_memory == on_disk
 
 
 def test_outputs_saved_only_each_resume_interval_and_a_resume_redoes_the_layers_after_them(

@@ -29,7 +29,10 @@ class ResidentCheckpoint:
     from here before its step and releases it after; these tensors are only ever read."""
 
     def __init__(self, model: PreTrainedModel, source: str | Path | None) -> None:
-        self.tensors: dict[str, torch.Tensor] = {name: t.detach() for name, t in model.state_dict().items()}
+        adapter = get_adapter(model)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in model.state_dict().items():  # also under the name the architecture's checkpoints use
+            self.tensors[name] = self.tensors[adapter.checkpoint_name(name)] = tensor.detach()
         self.weight_map = dict.fromkeys(self.tensors, "memory")
         self.folder = source or "the embedded default model"  # for messages, as a checkpoint's folder
         self.source, self.config, self.model_class = source, copy.deepcopy(model.config), type(model)
