@@ -123,10 +123,10 @@ def check_step(decoder: StaticDecoder, prompt: int, vocab: int) -> dict:
     """A prefill and a decode step on the kernels against the same on the layers' reference path (dequantized
     weights, F.linear), each on its own fresh cache: relative errors of the logits, non-finite logits per path."""
     quantized = [linear for linear in decoder.linears() if isinstance(linear, QuantLinear)]
-    dense = sum(2 * linear.in_features * linear.out_features for linear in quantized)
-    if dense > 0.8 * torch.cuda.mem_get_info()[0]:  # the 70B shape's 32 layers: 55 GB beside the model
+    dense, device = sum(2 * linear.in_features * linear.out_features for linear in quantized), decoder.embed.weight.device
+    if device.type == "cuda" and dense > 0.8 * torch.cuda.mem_get_info(device)[0]:  # the 70B shape's 32 layers: 55 GB
         return dict(skipped=f"the reference path's dense weights ({dense / 1e9:.0f} GB) do not fit beside the model")
-    ids = torch.randint(0, vocab, (1, prompt + 1), device=decoder.embed.weight.device)
+    ids = torch.randint(0, vocab, (1, prompt + 1), device=device)
     on_kernels = _prefill_then_step(decoder, ids)
     for linear in quantized:
         linear.cache_dense_weight()
