@@ -148,8 +148,9 @@ def quantize(
 ) -> None:
     """Calibrate and quantize MODEL, then write a checkpoint vLLM and transformers load.
 
-    A local safetensors folder is streamed: one decoder layer in memory at a time, each finished layer
-    kept beside the output so that rerunning an interrupted command resumes after the last one."""
+    A local safetensors folder is streamed: one decoder layer in memory at a time. Other sources (GGUF, hub
+    names, remote code) load whole, then go layer by layer the same way. Each finished layer is kept beside the
+    output so that rerunning an interrupted command resumes after the last one."""
     _setup_logging(verbose)
     options = {name: value for name, value in ctx.params.items() if name != "debug"}
     _guarded(lambda: _quantize(**options), debug)
