@@ -316,7 +316,7 @@ def _quantize(**flags: Any) -> None:
     from quantkit.export import export_dtype, scale_dtype_for
     from quantkit.formats import get_format
     from quantkit.models import get_adapter, load_model
-    from quantkit.models.loading import default_dtype, load_tokenizer
+    from quantkit.models.loading import default_dtype, hub_snapshot, load_tokenizer
     from quantkit.outputs import output_lock
     from quantkit.preflight import check_quantize_request, check_writable_folder, resolve_device
     from quantkit.streaming import open_streamed_model, streamable_reason
@@ -340,13 +340,15 @@ def _quantize(**flags: Any) -> None:
                                bits=job.bits, offload_dir=job.offload_dir, resume_interval=job.resume_interval)
         _phase("reading the calibration text")
         passages = load_passages(job.calib)
-        not_streamed = streamable_reason(job.model, job.trust_remote_code)
+        snapshot = None if job.trust_remote_code else hub_snapshot(job.model)  # a hub name streams from its files
+        source = job.model if snapshot is None else str(snapshot)
+        not_streamed = streamable_reason(source, job.trust_remote_code)
         if not_streamed is not None and ranks.world > 1:
             raise QuantizationError(f"several processes (torchrun) quantize a streamed source only: {not_streamed}")
         if not_streamed is None:
-            _phase(f"loading {job.model} layer by layer (streaming)")
-            lm, ckpt = open_streamed_model(job.model, default_dtype(work_device))
-            tokenizer = load_tokenizer(job.model)
+            _phase(f"loading {source} layer by layer (streaming)")
+            lm, ckpt = open_streamed_model(source, default_dtype(work_device))
+            tokenizer = load_tokenizer(source)
         else:
             _phase(f"loading {job.model or 'the embedded default model'} whole: {not_streamed}")
             lm, tokenizer = load_model(job.model, dtype=default_dtype(work_device),
@@ -380,7 +382,7 @@ def _quantize_streamed(job: QuantizeJob, lm, ckpt, tokenizer, calib_set, config:
     _print_summary(report, out)
     if job.evaluate:
         _phase("held-out perplexity and KL of the original and the export, one layer at a time")
-        original = job.model if isinstance(ckpt, SafetensorsCheckpoint) else ckpt  # in memory: read from there
+        original = str(ckpt.folder) if isinstance(ckpt, SafetensorsCheckpoint) else ckpt  # in memory: from there
         _print_heldout(_layerwise_heldout(original, out, tokenizer, job.eval_windows, work_device))
 
 

@@ -62,6 +62,25 @@ def check_model_source(source: str) -> None:
         raise QuantizationError(f"model path {source!r} does not exist (and is not a hub name like org/model)")
 
 
+# What a hub snapshot needs for streaming: configs, tokenizer files and safetensors weights (never pickles)
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def hub_snapshot(source: str | None) -> Path | None:
+    """The local folder holding a hub name's files (HUB_FILES), fetched where the cache lacks them as from_pretrained
+    would fetch them, so that the model can be streamed from it; None for anything not a hub name, or where the hub
+    cannot give them (offline and not cached, gated, no such model: loading it whole then says why)."""
+    if source is None or is_default_name(source) or Path(source).expanduser().exists() or not _HUB_NAME.match(source):
+        return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, allow_patterns=HUB_FILES))
+    except Exception as err:  # huggingface_hub's errors vary: offline, gated, missing
+        log.info("%s: no hub snapshot to stream from (%s)", source, (str(err).splitlines() or [type(err).__name__])[0])
+        return None
+
+
 def load_failure(source: str, err: Exception) -> QuantizationError:
     """One line for a model that is there but cannot be read (truncated weights, no network for a hub name)."""
     detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
