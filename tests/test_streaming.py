@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -532,23 +533,23 @@ def _command(source: Path, output: Path) -> list[str]:
             "--resume-interval", "0", "--output", str(output)]
 
 
-def test_a_hub_name_streams_from_its_snapshot_folder(smollm2_gguf, tmp_path) -> None:
-    """`quantkit quantize org/model`: the hub's files (here a cached snapshot, offline) are streamed, not loaded whole,
-    and the export is the one of the snapshot folder given as a path."""
-    from quantkit.models.loading import load_tokenizer
+def test_a_hub_name_streams_from_its_snapshot_folder(sharded, tmp_path, monkeypatch) -> None:
+    """`quantkit quantize org/model` streams from the folder of the hub's files (here a cached snapshot, offline);
+    local paths, the default and a name the hub cannot give are not looked up (they load as before)."""
+    from huggingface_hub import constants
 
-    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "0123abcd"
-    _checkpoint(snapshot, vocab=len(load_tokenizer(str(smollm2_gguf))), tokenizer=load_tokenizer(str(smollm2_gguf)))
-    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
-    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("0123abcd")
-    env = {**_env(0), "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    named = subprocess.run([*_command(Path("acme/tiny"), tmp_path / "named"), "--method", "rtn"], env=env,
-                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert named.returncode == 0, named.stderr[-2000:]
-    assert "layer by layer (streaming)" in named.stdout + named.stderr
-    subprocess.run([*_command(snapshot, tmp_path / "path"), "--method", "rtn"], env=env, check=True,
-                   capture_output=True, timeout=120)
-    assert _digest(tmp_path / "named") == _digest(tmp_path / "path")
+    from quantkit.models.loading import hub_snapshot
+    from quantkit.streaming import streamable_reason
+
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    shutil.copytree(sharded, repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    snapshot = hub_snapshot("acme/tiny")
+    assert snapshot == repo / "snapshots" / "0123abcd" and streamable_reason(str(snapshot), False) is None
+    assert hub_snapshot("acme/absent") is None and hub_snapshot(str(sharded)) is None and hub_snapshot(None) is None
 
 
 def _env(pause: float) -> dict[str, str]:
