@@ -206,17 +206,25 @@ def _real_index(ctx: LayerContext) -> list[torch.Tensor]:
     return [mask.reshape(-1).nonzero().squeeze(1) for mask in ctx.token_masks]
 
 
+def _floats(sums: list[list[list[torch.Tensor]]]) -> list[list[list[float]]]:
+    """Nested per-batch lists of 0-d sums as Python floats, read from the device once (no sync per batch)."""
+    flat = [t.to(torch.float64) for batch in sums for call in batch for t in call]
+    values = iter(torch.stack(flat).tolist() if flat else [])
+    return [[[next(values) for _ in call] for call in batch] for batch in sums]
+
+
 def _block_errors(block: nn.Module, data: _GroupData, index: list[torch.Tensor]) -> list[list[tuple[float, int]]]:
     """Per batch of this rank, per scored call: the squared output error summed, and its element count."""
-    errors = []
+    sums = []
     for calls, references, rows in zip(data.calls, data.outputs, index, strict=True):
-        errors.append([])
+        sums.append([])
         for (args, kwargs), reference in zip(calls, references, strict=True):
             out = first_output(block(*args, **kwargs))
             out = out.reshape(-1, out.shape[-1]).index_select(0, rows)
             wide = _wide(out.dtype)
-            errors[-1].append((float((out.to(wide) - reference.to(wide)).pow(2).sum()), reference.numel()))
-    return errors
+            sums[-1].append([(out.to(wide) - reference.to(wide)).pow(2).sum()])
+    return [[(error, reference.numel()) for [error], reference in zip(batch, references, strict=True)]
+            for batch, references in zip(_floats(sums), data.outputs, strict=True)]
 
 
 def _linear_errors(inputs: list[list[torch.Tensor]], weights: list[torch.Tensor],
@@ -227,7 +235,7 @@ def _linear_errors(inputs: list[list[torch.Tensor]], weights: list[torch.Tensor]
     for weight, trial in zip(weights, trials, strict=True):
         wide = _wide(weight.dtype)
         deltas.append(((trial.to(wide) - weight.to(wide)).to(weight.dtype), wide))
-    return [[[float((x @ delta.T).to(wide).pow(2).sum()) for delta, wide in deltas] for x in batch] for batch in inputs]
+    return _floats([[[(x @ delta.T).to(wide).pow(2).sum() for delta, wide in deltas] for x in batch] for batch in inputs])
 
 
 class _Scorer:
