@@ -19,6 +19,8 @@ from quantkit.quantizers.awq import (
     CLIP_GRID,
     CLIP_STEPS,
     AWQOptions,
+    _sample_inputs,
+    clip_targets,
     scored_batch_count,
     search_clip,
     search_order,
@@ -259,6 +261,23 @@ def test_clip_search_minimises_each_groups_output_error() -> None:
         assert (result.shrink < 1).any() and result.kept_rows == kept
         kept_rows += kept
     assert kept_rows > 0  # both cases occur with this weight
+
+
+def test_clip_samples_are_every_strided_real_token_over_the_batches(monkeypatch) -> None:
+    """The clip search's samples: every stride-th real token entering each linear, counted across the batches (a
+    batch's first sample depends on the rows before it), whatever the padding."""
+    monkeypatch.setattr("quantkit.quantizers.awq.CLIP_TOKENS", 7)
+    ctx = layer_context(outlier_model("llama"), random_calibration(n=7, pad_from={1: 5, 4: 17, 5: 0}))
+    tokens = sum(int(m.sum()) for m in ctx.token_masks)
+    names = clip_targets(ctx)
+    with ctx.capture_inputs(names) as captured:
+        ctx.forward()
+    samples = _sample_inputs(ctx, names)
+    assert sorted(samples) == sorted(names) and tokens // 7 > 1
+    for name in names:
+        everything = torch.cat(captured[name])
+        assert everything.shape[0] == tokens
+        assert torch.equal(samples[name], everything[::tokens // 7]), name
 
 
 @torch.no_grad()

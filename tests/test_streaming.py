@@ -37,6 +37,7 @@ from quantkit.quantizers.gptq import GPTQOptions
 from quantkit.quantizers.qqq import QQQOptions
 from quantkit.reload import load_quantized
 from quantkit.streaming import StreamedRun, open_streamed_model, quantize_streaming
+from quantkit.streaming.checkpoint import SAFETENSORS_DTYPE_NAMES, SAFETENSORS_DTYPES, SafetensorsCheckpoint
 from quantkit.streaming.resident import ResidentCheckpoint
 from quantkit.streaming.skeleton import StreamedLayers
 from quantkit.streaming.workdir import PAUSE_ENV, PAUSE_MARK, work_dir_for
@@ -318,6 +319,18 @@ def test_deepseek_mtp_layer_is_carried_unquantized_and_left_out_of_the_scheme(tm
     ids = torch.randint(0, 128, (1, 7))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, reference(ids).logits)
+
+
+def test_dtype_names_are_those_safetensors_writes(tmp_path) -> None:
+    """SAFETENSORS_DTYPES names each dtype as safetensors' headers do (a checkpoint's stored_spec reads them)."""
+    from safetensors.torch import save_file
+
+    tensors = {name.lower(): torch.zeros(2, 3, dtype=dtype) for name, dtype in SAFETENSORS_DTYPES.items()}
+    save_file(tensors, tmp_path / "model.safetensors")
+    ckpt = SafetensorsCheckpoint(tmp_path)
+    assert {name: ckpt.stored_spec(name.lower()) for name in SAFETENSORS_DTYPES} == \
+        {name: (name, [2, 3]) for name in SAFETENSORS_DTYPES}
+    assert all(SAFETENSORS_DTYPES[name] == dtype for dtype, name in SAFETENSORS_DTYPE_NAMES.items())
 
 
 def test_a_missing_expert_or_a_wrong_index_is_one_line_before_any_work(tmp_path) -> None:

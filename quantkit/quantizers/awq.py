@@ -464,27 +464,41 @@ def clip_targets(ctx: LayerContext) -> list[str]:
 def _sample_inputs(ctx: LayerContext, names: list[str]) -> dict[str, torch.Tensor]:
     """Every stride-th real token entering each named linear, stride = tokens // CLIP_TOKENS (AutoAWQ), counted
     over every rank's batches in batch order (a step of the batches at a time: a batch's first sampled row
-    depends on the rows before it)."""
+    depends on the rows before it). The hook samples a call's rows as they enter where the rows before them are
+    known (one process; the first rank of a split step); a later rank of a step keeps its batch's inputs until
+    the step's row counts are gathered."""
     stride = max(1, sum(batch_tokens(ctx)) // CLIP_TOKENS)
+    known = ctx.place_in_step == 0  # no rank's batch comes before this rank's in a step
     seen = dict.fromkeys(names, 0)  # rows that entered each linear in the steps before
-    entering: dict[str, list[torch.Tensor]] = {}
+    entered: dict[str, list[int]] = {}  # rows per call of this rank's batch of the step
+    waiting: dict[str, list[torch.Tensor]] = {}  # that batch's real-token inputs, where not sampled in the hook
     kept: list[dict[str, list[torch.Tensor]]] = []  # per batch of this rank
-    handles = [ctx.module(n).register_forward_hook(lambda _m, args, _o, n=n: entering[n].append(
-        ctx.real_tokens(args[0]))) for n in names]
+
+    def sample(name: str, rows: torch.Tensor, offset: int) -> None:
+        kept[-1].setdefault(name, []).append(ctx.portable(rows[(-offset) % stride::stride].clone()))
+
+    def enter(name: str, x: torch.Tensor) -> None:
+        rows = ctx.real_tokens(x)
+        if known:
+            sample(name, rows, seen[name] + sum(entered[name]))
+        else:
+            waiting[name].append(rows)
+        entered[name].append(rows.shape[0])
+
+    handles = [ctx.module(n).register_forward_hook(lambda _m, args, _o, n=n: enter(n, args[0])) for n in names]
     try:
         for position in ctx.stepwise():
-            entering.update({n: [] for n in names})
-            if position is not None:
-                ctx.run_until(names, [position])
-            counts = ctx.step_values(None if position is None else {n: [x.shape[0] for x in entering[n]] for n in names})
-            mine = ctx.share.ranks.rank if ctx.share.split else 0
+            entered.update({n: [] for n in names})
+            waiting.update({n: [] for n in names})
             if position is not None:
                 kept.append({})
+                ctx.run_until(names, [position])
+            counts = ctx.step_values(None if position is None else dict(entered))
             for name in names:
-                offset = seen[name] + sum(sum(c[name]) for c in counts[:mine] if c is not None)
-                for x in entering[name]:
-                    kept[-1].setdefault(name, []).append(ctx.portable(x[(-offset) % stride::stride].clone()))
-                    offset += x.shape[0]
+                offset = seen[name] + sum(sum(c[name]) for c in counts[:ctx.place_in_step] if c is not None)
+                for rows in waiting[name]:
+                    sample(name, rows, offset)
+                    offset += rows.shape[0]
                 seen[name] += sum(sum(c[name]) for c in counts if c is not None)
     finally:
         for h in handles:

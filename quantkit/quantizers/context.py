@@ -60,6 +60,12 @@ class LayerContext:
         step), in batch order; unsplit, [value]."""
         return self.share.ranks.step_values(value, self.share)
 
+    @property
+    def place_in_step(self) -> int:
+        """This rank's index in step_values()' list: its rank when the batches are split, else 0. At place 0 the
+        rows before this rank's batch of a step are all in the steps before."""
+        return self.share.ranks.rank if self.share.split else 0
+
     def stepwise(self) -> Iterator[int | None]:
         """The position in inputs of this rank's batch at each step of the run's batches (None once this rank has
         none left): split batches are run a step at a time, in lockstep with the other ranks."""

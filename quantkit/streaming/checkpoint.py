@@ -27,6 +27,16 @@ SINGLE_NAME = "model.safetensors"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"  # DeepSeek's name for the block scales of X.weight: X.weight_scale_inv
 DEFAULT_FP8_BLOCK = (128, 128)
+# The dtype names of safetensors headers ("dtype" of each tensor's entry, as get_slice().get_dtype() reads them) and
+# the torch dtypes they hold
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "U16": torch.uint16, "I16": torch.int16,
+    "U32": torch.uint32, "I32": torch.int32, "U64": torch.uint64, "I64": torch.int64,
+    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64, "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+}
+SAFETENSORS_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -118,18 +128,19 @@ class SafetensorsCheckpoint:
     def read_stored(self, names: list[str]) -> dict[str, StoredTensor]:
         """Copies of the named tensors as stored, FP8 block-scaled weights with their scales, each shard mapped only
         while its tensors are copied out."""
-        tensors: dict[str, StoredTensor] = dict(self._read_stored(names))
+        tensors: dict[str, StoredTensor] = dict(self.read_raw(names))
         fp8 = [name for name, tensor in tensors.items() if tensor.dtype in FP8_DTYPES]
         absent = [name for name in fp8 if name + SCALE_SUFFIX not in self.weight_map]
         if absent:
             raise QuantizationError(f"{self.folder}: the FP8 tensor {absent[0]!r} has no {absent[0] + SCALE_SUFFIX!r}; "
                                     "only block-scaled FP8 in DeepSeek's form is read")
-        scales = self._read_stored([name + SCALE_SUFFIX for name in fp8])
+        scales = self.read_raw([name + SCALE_SUFFIX for name in fp8])
         for name in fp8:
             tensors[name] = BlockScaledFp8(tensors[name], scales[name + SCALE_SUFFIX], self.fp8_block)
         return tensors
 
-    def _read_stored(self, names: list[str]) -> dict[str, torch.Tensor]:
+    def read_raw(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Copies of the named tensors exactly as stored (an export's FP8 weights: their e4m3 bytes)."""
         missing = [n for n in names if n not in self.weight_map]
         if missing:
             raise QuantizationError(f"{self.folder}: the checkpoint has no tensor {missing[0]!r}")

@@ -12,15 +12,12 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from safetensors.torch import _TYPES as SAFETENSORS_TYPES
 from transformers import PreTrainedModel
 
 from quantkit.models import get_adapter
 from quantkit.qtensor import QuantizationError
-from quantkit.streaming.checkpoint import DEFAULT_FP8_BLOCK, StoredTensor
+from quantkit.streaming.checkpoint import SAFETENSORS_DTYPE_NAMES, StoredTensor
 from quantkit.streaming.skeleton import load_outside_layers
-
-_TYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_TYPES.items()}
 
 
 class ResidentCheckpoint:
@@ -36,7 +33,6 @@ class ResidentCheckpoint:
         self.weight_map = dict.fromkeys(self.tensors, "memory")
         self.folder = source or "the embedded default model"  # for messages, as a checkpoint's folder
         self.source, self.config, self.model_class = source, copy.deepcopy(model.config), type(model)
-        self.fp8_block = DEFAULT_FP8_BLOCK
 
     @classmethod
     def take(cls, model: PreTrainedModel, source: str | Path | None) -> ResidentCheckpoint:
@@ -64,7 +60,8 @@ class ResidentCheckpoint:
         return {name: self.tensors[name] for name in names}
 
     def stored_spec(self, name: str) -> tuple[str, list[int]]:
-        return _TYPE_NAMES[self.tensors[name].dtype], list(self.tensors[name].shape)
+        """The tensor's dtype as a safetensors header would name it and its shape, as SafetensorsCheckpoint's."""
+        return SAFETENSORS_DTYPE_NAMES[self.tensors[name].dtype], list(self.tensors[name].shape)
 
     def fingerprint(self) -> str:
         """Identifies the source without hashing its weights: its file's name, size and modification time (a GGUF

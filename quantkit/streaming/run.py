@@ -39,7 +39,7 @@ from quantkit.models.loading import load_failure
 from quantkit.models.moe import unfuse_experts
 from quantkit.outputs import apply_umask, check_output_target, replace_atomically
 from quantkit.qtensor import QuantizationError
-from quantkit.streaming.checkpoint import SCALE_SUFFIX, SafetensorsCheckpoint
+from quantkit.streaming.checkpoint import SAFETENSORS_DTYPES, SCALE_SUFFIX, SafetensorsCheckpoint
 from quantkit.streaming.skeleton import (
     StreamedLayers,
     build_skeleton,
@@ -101,14 +101,11 @@ def _export_plan(model: nn.Module, adapter: ArchAdapter, ckpt: SafetensorsCheckp
     extra = {}
     for key in unbuilt:
         stored, shape = ckpt.stored_spec(key)
-        extra[key] = (_INTEGER_DTYPES.get(stored, dtype), shape)
+        kept = SAFETENSORS_DTYPES[stored]  # as cast_dense writes it: floats in the export dtype, the rest as stored
+        extra[key] = (dtype if kept.is_floating_point else kept, shape)
         sizes.append((key, math.prod(shape) * extra[key][0].itemsize))
     return (sizes, lambda name: extra[name] if name in extra else spec(name),
             lambda name: cast_dense(ckpt.read([name], widen_to=dtype)[name], dtype) if name in extra else load(name))
-
-
-_INTEGER_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                   "BOOL": torch.bool}
 
 
 def unbuilt_layer_tensors(model: nn.Module, adapter: ArchAdapter, ckpt: SafetensorsCheckpoint) -> list[str]:
