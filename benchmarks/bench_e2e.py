@@ -1,13 +1,14 @@
-"""End-to-end speed of a Llama-3-8B- or 70B-shaped model: fp16 against quantkit's W4A16 / W4A8 layers on their kernels.
+"""End-to-end speed of a Llama-3-8B- or 70B-shaped model: fp16 against quantkit's W4A16 / W4A8 / FP8 layers on their
+kernels.
 
     source benchmarks/device_env.sh; QUANTKIT_COMMIT=<commit> python benchmarks/bench_e2e.py --out DIR \
-        [--shape 8b] [--schemes w4a16 w4a8] [--batches 1 16] [--compiled-batches 1] [--profile] \
+        [--shape 8b] [--schemes w4a16 w4a8 fp8] [--batches 1 16] [--compiled-batches 1] [--profile] \
         [--compare-attention] [--prompt 512] [--layers 32]
 
 Random weights (speed does not depend on their values): the fp16 model from Llama-3's config (the 70B with as many
 layers as fit in fp16 on the card, --layers: ms per layer is the figure to compare), then each scheme's
-random QuantLinears (g128 symmetric; W4A8 with QQQ's two-level scales, bench_kernels.random_layer) in place of every
-decoder linear; embeddings and lm_head stay fp16 in all. quantkit.eval.static_decoder.StaticDecoder runs each model
+random QuantLinears (g128 symmetric; W4A8 with QQQ's two-level scales, bench_kernels.random_layer; FP8 the fp16
+model's own weights in e4m3 per channel) in place of every decoder linear; embeddings and lm_head stay fp16 in all. quantkit.eval.static_decoder.StaticDecoder runs each model
 (q/k/v and gate/up fused, as serving engines fuse them; a static KV cache of prompt + 64 positions).
 - decode: one step of `batch` tokens at position `prompt`, captured in a CUDA graph and replayed (median ms per
   step), tokens/s, and the bytes a step must read (linear weights and scales, lm_head, the whole cache) per second
@@ -44,6 +45,7 @@ from quantkit.eval.speed import compiled_step, median_seconds
 from quantkit.eval.static_decoder import StaticDecoder
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear
+from quantkit.qtensor import fp8_quantize
 
 COPY_ROOF = {"H200": 4.25e12}  # bytes/s, measured copy rate by device (issue #4); others: GB/s alone
 DECODE_SLACK = 64  # cache positions after the prompt
@@ -65,13 +67,18 @@ def llama3(shape: str, layers: int) -> LlamaConfig:
 
 
 def quantize_randomly(model: torch.nn.Module, scheme: str, group: int) -> None:
-    """Every decoder linear replaced by a random QuantLinear of the scheme (the fp16 weights freed)."""
+    """Every decoder linear replaced by a random QuantLinear of the scheme (the fp16 weights freed); FP8 quantizes the
+    model's own random weights."""
     adapter = get_adapter(model)
     device = model.get_input_embeddings().weight.device
     for layer in adapter.get_layers(model):
         for name in adapter.linear_names():
             parent, leaf = name.rsplit(".", 1)
             linear = layer.get_submodule(name)
+            if scheme == "fp8":
+                fp8 = QuantLinear.from_quantized(fp8_quantize(linear.weight), None, linear.weight.dtype, act_bits=8)
+                setattr(layer.get_submodule(parent), leaf, fp8.to(device))
+                continue
             quantized = random_layer(linear.in_features, linear.out_features, group, scheme, device=device)
             # codes 1..15 (q - 8 in [-7, 7]): random_layer's 0..15 have mean -0.5, a rank-one part of every weight
             # that grows the activations along one direction layer after layer until fp16 overflows
@@ -291,7 +298,7 @@ def markdown(meta: dict, results: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--schemes", nargs="+", default=["w4a16", "w4a8"], choices=["w4a16", "w4a8"])
+    parser.add_argument("--schemes", nargs="+", default=["w4a16", "w4a8"], choices=["w4a16", "w4a8", "fp8"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--compiled-batches", type=int, nargs="*", default=[1],
                         help="decode batch sizes also timed through torch.compile (compiles once per scheme each)")

@@ -22,7 +22,7 @@ def _register_ops() -> None:
     if _OPS_REGISTERED:
         return
     from .autotune import pick_config
-    from .reference import w4a8_reference, w4a16_reference
+    from .reference import fp8_reference, w4a8_reference, w4a16_reference
 
     @torch.library.custom_op("quantkit::w4a16_linear", mutates_args=())
     def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -56,6 +56,22 @@ def _register_ops() -> None:
 
     for op in (w4a16_linear, w4a8_linear):
         op.register_fake(lambda x, qweight, *args: x.new_empty(x.shape[0], qweight.shape[1]))
+
+    @torch.library.custom_op("quantkit::fp8_linear", mutates_args=())
+    def fp8_linear(x8: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,
+                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        n, k = weight.shape
+
+        def run(cfg: TileConfig) -> torch.Tensor:
+            return fp8_run(x8, x_scales, weight, weight_scales, bias, out_dtype, cfg)
+
+        def reference() -> torch.Tensor:
+            return fp8_reference(x8, x_scales, weight, weight_scales, bias, out_dtype)
+
+        return run(pick_config("fp8", x8, n, k, k, run, reference=reference, dtype=out_dtype))
+
+    fp8_linear.register_fake(lambda x8, x_scales, weight, weight_scales, bias, out_dtype:
+                             x8.new_empty(x8.shape[0], weight.shape[0], dtype=out_dtype))
     _OPS_REGISTERED = True
 
 
@@ -87,6 +103,17 @@ def w4a8_run(x: torch.Tensor, qweight: torch.Tensor, channel_scales: torch.Tenso
     spec = registry.kernel("w4a8", cfg.kernel)
     weight = swap_weight if spec.layout == "swap" else qweight
     return spec.launch(x, weight, channel_scales, group_scales, zeros, bias, group_size, cfg)
+
+
+def fp8_run(x8: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,
+            bias: torch.Tensor | None, out_dtype: torch.dtype, cfg: TileConfig) -> torch.Tensor:
+    """One FP8 call with an explicit config (kernels/w8a8_fp8.py), or the plain torch reference."""
+    from . import registry
+    from .reference import fp8_reference
+
+    if cfg.kernel == REFERENCE_KERNEL:
+        return fp8_reference(x8, x_scales, weight, weight_scales, bias, out_dtype)
+    return registry.kernel("fp8", cfg.kernel).launch(x8, x_scales, weight, weight_scales, bias, out_dtype, cfg)
 
 
 # The K blocks of the layers' swap-layout copies (layout.k_blocked), by activation bits. H200, every kernel on the
@@ -155,8 +182,10 @@ def swap_block(swap_weight: torch.Tensor | None, k: int) -> int | None:
 def unsupported_reason(layer: torch.nn.Module) -> str | None:
     """Why no kernel can run this QuantLinear, or None when one can."""
     k, n, group = layer.in_features, layer.out_features, layer.group_size
+    if layer.fp8:
+        return _fp8_unsupported_reason(layer)
     if layer.bits != 4:
-        return f"{layer.bits}-bit weights (kernels are 4-bit only)"
+        return f"{layer.bits}-bit weights (kernels are 4-bit only or FP8)"
     if layer.act_bits not in (8, 16):
         return f"act_bits={layer.act_bits} (kernels do 16 or 8)"
     if layer.scales.dtype not in (torch.float16, torch.bfloat16):
@@ -174,6 +203,39 @@ def unsupported_reason(layer: torch.nn.Module) -> str | None:
     except ImportError:
         return "triton is not installed"
     return None
+
+
+FP8_CAPABILITY = (8, 9)  # the first GPUs with fp8 tensor cores (Ada; Hopper is 9.0)
+
+
+def _fp8_unsupported_reason(layer: torch.nn.Module) -> str | None:
+    if layer.in_features % 16 or layer.out_features % 16:
+        return f"in_features {layer.in_features} and out_features {layer.out_features} must be multiples of 16"
+    device = layer.scales.device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+        return "a GPU without fp8 tensor cores (FP8 needs compute capability 8.9 or later)"
+    if not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return "weights are not on a CUDA device"
+    return None
+
+
+def _fp8_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The FP8 forward: the layer's e4m3 bytes as [N, K] (the operand the fp8 MMAs read) on its device; the K-packed
+    copy goes to host memory (the same bytes, for exports and the reference path)."""
+    from .layout import fp8_tokens, unpack_along_rows
+
+    device = layer.scales.device
+    weight = unpack_along_rows(layer.qweight.to(device), 8).t().contiguous().view(torch.float8_e4m3fn)
+    weight_scales = layer.scales[0].float().contiguous()
+    bias, k, n = layer.bias, layer.in_features, layer.out_features
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x8, x_scales = fp8_tokens(x.reshape(-1, k))
+        out = torch.ops.quantkit.fp8_linear(x8, x_scales, weight, weight_scales, bias, x.dtype)
+        return out.reshape(*x.shape[:-1], n)
+
+    forward.plain_qweight = layer.qweight.to("cpu")
+    return forward
 
 
 def w4a8_operands(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -207,6 +269,8 @@ def make_kernel_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torc
         log.info("QuantLinear(%s) keeps the reference path: %s", layer.extra_repr(), reason)
         return None
     _register_ops()
+    if layer.fp8:
+        return _fp8_forward(layer)
     from .autotune import swap_layout_serves
     from .common import tile_counters
 

@@ -117,7 +117,7 @@ def candidates(scheme: Scheme, m: int, n: int, k: int, group: int, swap: bool = 
     unranked = tuple(spec.name for spec in registry.KERNELS if spec.scheme == scheme and spec.name not in named)
     out = [c for entry in order + unranked for c in _entry_configs(entry, p, swap, hopper, fp16)]
     wgmma = _entry_configs("wgmma", p, swap, hopper, fp16)
-    lead = WGMMA_LEADS[scheme][0] <= p.bucket <= WGMMA_LEADS[scheme][1]
+    lead = scheme in WGMMA_LEADS and WGMMA_LEADS[scheme][0] <= p.bucket <= WGMMA_LEADS[scheme][1]
     out = _fitting(p, wgmma + out if lead else out + wgmma, swap_block)
     if plain or not swap:
         return out
@@ -262,18 +262,20 @@ def _right_results(options: list[TileConfig], run: Callable[[TileConfig], object
 def pick_config(scheme: Scheme, x: torch.Tensor, n: int, k: int, group: int, run: Callable[[TileConfig], object],
                 zeros: bool = False, two_level: bool | None = None, swap: bool = False,
                 reference: Callable[[], torch.Tensor] | None = None, swap_block: int | None = None,
-                plain: bool = True) -> TileConfig:
+                plain: bool = True, dtype: torch.dtype | None = None) -> TileConfig:
     """The config for this call: cached, else tuned (timing run(config) for each candidate whose output matches
-    reference(), when given and finite; REFERENCE if none does), else default."""
+    reference(), when given and finite; REFERENCE if none does), else default. dtype: the output's, when it is not
+    x's (FP8's activations are float8)."""
     m = x.shape[0]
+    dtype = dtype or x.dtype
     tuned = x.is_cuda and tuning_enabled()
     if tuned:  # the cache first: every eager call of a layer comes here, the candidates are needed only to tune
-        key = tuning_key(torch.cuda.get_device_name(x.device), scheme, x.dtype, n, k, group, m, zeros, two_level,
+        key = tuning_key(torch.cuda.get_device_name(x.device), scheme, dtype, n, k, group, m, zeros, two_level,
                          swap, swap_block, plain)
         cached = tuning_cache().get(key)
         if cached is not None:
             return cached
-    options = candidates(scheme, m, n, k, group, swap, hopper_gluon(x.device), x.dtype == torch.float16, swap_block,
+    options = candidates(scheme, m, n, k, group, swap, hopper_gluon(x.device), dtype == torch.float16, swap_block,
                          plain)
     if not tuned or torch.cuda.is_current_stream_capturing():
         return options[0]

@@ -9,6 +9,8 @@ The ground floor of the package: torch only (no Triton, nothing of quantkit), so
   four slices of 16 for W4A16 (`repack_for_swap`), int8 [N, K/2] with two slices of 32, codes xor 8, for W4A8
   (`repack_for_w4a8_swap`); either optionally in K blocks (`k_blocked`, `layout_shape`).
 - Per-token symmetric int8 activations (`int8_tokens`), what the W4A8 kernels and QQQ compute.
+- float8 e4m3 rows (`fp8_row_scales`, `to_fp8`, `fp8_tokens`): FP8's weights per output channel and activations per
+  token.
 """
 
 from __future__ import annotations
@@ -73,6 +75,29 @@ def int8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8) / 127.0
     codes = x.float() / scale  # a new tensor: round and clamp in place
     return codes.round_().clamp_(-127, 127).to(torch.int8), scale
+
+
+FP8_MAX = 448.0  # the largest float8 e4m3 (fn) value
+# The smallest per-row scale: an all-zero row quantizes to zeros instead of 0 / 0 (vLLM's dynamic per-token
+# quantization bounds its scales the same way).
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def fp8_row_scales(x: torch.Tensor) -> torch.Tensor:
+    """One fp32 scale per row of x [..., K]: max |x| / 448 (the whole e4m3 range), at least FP8_MIN_SCALE."""
+    return (x.detach().abs().amax(dim=-1, keepdim=True).to(torch.float32) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded to the nearest float8 e4m3 (ties to even), saturated at +-448 (a CUDA cast would give NaN
+    past it); scale broadcasts against x."""
+    return (x.detach().to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1]), each token on the whole e4m3 range: FP8's activations."""
+    scales = fp8_row_scales(x)
+    return to_fp8(x, scales), scales
 
 
 def pack_nibble_slices(qweight: torch.Tensor, shifts: tuple[int, ...], dtype: torch.dtype, xor: int = 0,

@@ -12,6 +12,15 @@ from .layout import int8_matmul, int8_tokens, int_valued_matmul, unpack_along_ro
 COLUMNS = 2048  # output columns dequantized at a time
 
 
+def fp8_reference(x8: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The fp8_linear op in fp32 from the e4m3 values (x8 [M, K], x_scales [M, 1], weight [N, K] in e4m3 or their
+    fp32 values, weight_scales [N]): the products are exact, only the order the sums round in differs from the fp8
+    tensor cores'."""
+    out = (x8.float() @ weight.float().t()) * x_scales * weight_scales.float()[None, :]
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
 def _dequantized(qweight: torch.Tensor, zeros: torch.Tensor | None, group_size: int, columns: slice,
                  device: torch.device) -> tuple:
     """(q - zero) [K, C] fp32 on the device for the columns (a weight kept in host memory comes over a block at a

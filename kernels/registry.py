@@ -11,10 +11,11 @@ from collections.abc import Callable
 
 import torch
 
-from . import moe_w4a8, moe_w4a16, w4a8, w4a8_swap, w4a16, w4a16_swap
+from . import moe_w4a8, moe_w4a16, w4a8, w4a8_swap, w4a16, w4a16_swap, w8a8_fp8
 from .spec import KernelSpec, Scheme
 
-KERNELS: tuple[KernelSpec, ...] = w4a16.SPECS + w4a16_swap.SPECS + w4a8.SPECS + w4a8_swap.SPECS
+KERNELS: tuple[KernelSpec, ...] = (w4a16.SPECS + w4a16_swap.SPECS + w4a8.SPECS + w4a8_swap.SPECS
+                                   + w8a8_fp8.SPECS)
 try:
     from . import w4a8_wgmma, w4a16_tma_gemv, w4a16_wgmma
 except ImportError:  # a Triton without Gluon's Hopper module: no Gluon kernels

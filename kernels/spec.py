@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-Scheme = Literal["w4a16", "w4a8"]
+Scheme = Literal["w4a16", "w4a8", "fp8"]
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 REFERENCE_KERNEL = "reference"  # the ops' plain-torch path: no registered kernel, the tuner's last resort
 SMS_TO_FILL = 2 * 132  # two waves of programs on an H100/H200 keep every SM busy when K is split
@@ -74,7 +74,8 @@ class KernelSpec:
     K-packed int32; "swap": kernels/layout.py's swap layout), where it applies (M buckets, Hopper with Gluon, fp16
     activations), its tile candidates for a problem (in the order the tuner should try them; fit checks included)
     and its launch: launch(x, weight, scales, zeros, bias, group_size, config) for W4A16, launch(x, weight,
-    channel_scales, group_scales, zeros, bias, group_size, config) for W4A8."""
+    channel_scales, group_scales, zeros, bias, group_size, config) for W4A8, launch(x8, x_scales, weight,
+    weight_scales, bias, out_dtype, config) for FP8."""
 
     name: str
     scheme: Scheme

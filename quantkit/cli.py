@@ -331,13 +331,14 @@ def _quantize(**flags: Any) -> None:
     get_format(job.format).check(planned)  # the scheme, before any loading
     if planned.method_fixes():
         console.print(f"{job.method} fixes " + ", ".join(f"{k}={v}" for k, v in planned.method_fixes().items()))
-    output = job.output or default_output(job.model, job.method, job.bits, planned.act_bits, job.group_size)
+    output = job.output or default_output(job.model, job.method, planned.bits, planned.act_bits,
+                                          str(planned.group_size))
     check_writable_folder("--output", output)  # before the lock beside it is made
     with output_lock(output) if ranks.writer else nullcontext():  # one run per output, from its checks to its export
         check_quantize_request(source=job.model, calib=job.calib, output=output, overwrite=job.overwrite,
                                nsamples=nsamples, seqlen=job.seqlen, batch_size=job.batch_size,
                                eval_windows=job.eval_windows if job.evaluate else None, dtype=job.dtype,
-                               bits=job.bits, offload_dir=job.offload_dir, resume_interval=job.resume_interval)
+                               bits=planned.bits, offload_dir=job.offload_dir, resume_interval=job.resume_interval)
         _phase("reading the calibration text")
         passages = load_passages(job.calib)
         snapshot = None if job.trust_remote_code else hub_snapshot(job.model)  # a hub name streams from its files

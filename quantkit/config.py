@@ -114,6 +114,9 @@ class QuantConfig:
     group_size: int | str = AUTO_GROUP  # -1: per output channel; AUTO_GROUP until for_model resolves it
     sym: bool = True
     act_bits: int = 16  # 8: per-token dynamic int8 activations (W4A8)
+    # W8A8-FP8: float8 e4m3 weights with one scale per output channel and dynamic per-token float8 activations
+    # (bits 8, act_bits 8, per channel; the fp8 method sets it)
+    fp8: bool = False
     # MoE: every expert's statistics from every calibration token (the layer's output still follows the routing);
     # off: each expert's from the tokens routed to it, too few tokens handled by models/moe.py's LowTokenGuard
     moe_all_tokens: bool = False
@@ -173,6 +176,13 @@ class QuantConfig:
             raise QuantizationError(f"scale_dtype must be one of {sorted(SCALE_DTYPES)}, got {self.scale_dtype!r}")
         if self.act_bits not in (8, 16):
             raise QuantizationError(f"activation bits must be 8 or 16, got {self.act_bits}")
+        if self.fp8 and not METHOD_SCHEMES.get(self.method, {}).get("fp8"):
+            raise QuantizationError(f"method {self.method!r} makes integer weights; FP8 weights come from --method fp8")
+        if self.fp8:
+            if (self.bits, self.act_bits, self.group_size, self.sym) != (8, 8, -1, True):
+                raise QuantizationError("FP8 (W8A8-FP8) is 8-bit symmetric weights per output channel with 8-bit "
+                                        f"activations, got {self.label()}")
+            return self
         if self.act_bits == 8 and self.bits != 4:
             raise QuantizationError("W4A8 needs 4-bit weights (--bits 4)")
         if self.act_bits == 8 and not self.sym:
@@ -186,7 +196,8 @@ class QuantConfig:
     def label(self) -> str:
         """Short human-readable name of the scheme, e.g. 'gptq W4A16 g64 sym act-order'."""
         group = {-1: "per-channel", AUTO_GROUP: "group auto"}.get(self.group_size, f"g{self.group_size}")
-        scheme = f"{self.method} W{self.bits}A{self.act_bits} {group} {'sym' if self.sym else 'asym'}"
+        numbers = "-FP8" if self.fp8 else ""
+        scheme = f"{self.method} W{self.bits}A{self.act_bits}{numbers} {group} {'sym' if self.sym else 'asym'}"
         return scheme + self.options.label()
 
     def to_dict(self) -> dict:
@@ -223,7 +234,8 @@ def resolve_group_size(model: torch.nn.Module, adapter: Any, requested: int | st
 
 # method name -> the scheme fields it fixes (QQQ: W4A8, symmetric), from Method.required_scheme by register
 METHOD_SCHEMES: dict[str, dict[str, Any]] = {}
-SCHEME_FLAGS = {"sym": "--asym", "act_bits": "--act-bits", "bits": "--bits"}  # the flag that sets each field
+SCHEME_FLAGS = {"sym": "--asym", "act_bits": "--act-bits", "bits": "--bits", "group_size": "--group-size",
+                "fp8": "--method fp8"}  # the flag that sets each field
 _SCHEME_DEFAULTS = {f.name: f.default for f in fields(QuantConfig) if f.name in SCHEME_FLAGS}
 
 # method name -> its options class, filled by quantkit.quantizers.base.register (the package's __init__ imports

@@ -8,6 +8,9 @@ unsigned zero point per (output channel, input group), and
 Symmetric quantization is the special case zero = 2**(bits - 1) (8 for 4-bit), which is what GPTQ's
 and compressed-tensors' signed int4 [-8, 7] mean once 8 is added. Groups are contiguous runs of
 `group_size` input channels in the original (unpermuted) order, so g_idx is always i // group_size.
+
+FP8 (fp8=True, W8A8-FP8): codes hold the bytes of float8 e4m3 values (torch.float8_e4m3fn), one fp32 scale per
+output channel, no zero point (zeros all 0): W[o, i] ~= float(codes[o, i] as e4m3) * scale[o].
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from quantkit.errors import QuantizationError  # also importable from here
+from quantkit.kernels.layout import fp8_row_scales, to_fp8
 
 
 @dataclass
@@ -29,6 +33,7 @@ class QuantizedWeight:
     sym: bool
     # W4A8 two-level scheme (QQQ): scales = group_scales * channel_scales[:, None]; None otherwise.
     channel_scales: torch.Tensor | None = None  # float32 [out]
+    fp8: bool = False  # codes are float8 e4m3 bytes (see the module's docstring)
     info: dict = field(default_factory=dict)  # loss, damping used, fallbacks: for reports only
 
     @property
@@ -52,6 +57,8 @@ class QuantizedWeight:
                        channel_scales=channel)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.fp8:
+            return (fp8_values(self.codes) * self.scales).to(dtype)
         g = self.group_index()
         q = self.codes.to(torch.float32)
         w = (q - self.zeros[:, g].to(torch.float32)) * self.scales[:, g].to(torch.float32)
@@ -116,3 +123,18 @@ def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bit
 
 def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     return (quantize_codes(w, scale, zero, bits) - zero) * scale
+
+
+
+def fp8_values(codes: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3 bytes (uint8) -> their values in fp32 (exact)."""
+    return codes.view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def fp8_quantize(weight: torch.Tensor) -> QuantizedWeight:
+    """weight [out, in] as float8 e4m3 with one fp32 scale per output channel (max |w| / 448): the W8A8-FP8
+    weights vLLM serves (compressed-tensors' float-quantized channel strategy)."""
+    scales = fp8_row_scales(weight)
+    codes = to_fp8(weight, scales).view(torch.uint8)
+    return QuantizedWeight(codes=codes, scales=scales, zeros=torch.zeros_like(scales, dtype=torch.uint8), bits=8,
+                           group_size=-1, sym=True, fp8=True)

@@ -106,7 +106,7 @@ class ExportReader:
 
     def _quantized_linear(self, prefix: str, device: torch.device | str) -> QuantLinear:
         leaves = self.modules[prefix]
-        read = self.ckpt.read([self.stored[f"{prefix}.{leaf}"] for leaf in leaves])
+        read = self.ckpt.read_raw([self.stored[f"{prefix}.{leaf}"] for leaf in leaves])
         tensors = {leaf: read[self.stored[f"{prefix}.{leaf}"]].to(device) for leaf in leaves}
         with torch.device(device):  # unpacked and repacked where the layer will run (a GPU's is quick)
             qw = self.fmt.unpack(tensors, self.qconfig)

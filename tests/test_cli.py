@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from typer.testing import CliRunner
 
@@ -18,6 +19,7 @@ from quantkit.cli import app, default_nsamples
 from quantkit.config import METHOD_OPTIONS, MethodOptions, option, option_spec
 from quantkit.formats import FORMATS
 from quantkit.quantizers.base import METHODS, Method, method_class, registered_methods
+from quantkit.reload import load_quantized
 
 runner = CliRunner()
 
@@ -244,7 +246,7 @@ def test_a_registered_method_gets_its_flags(monkeypatch, tiny_llama, tmp_path) -
 def test_a_scheme_the_method_or_format_contradicts_is_refused_before_work(tiny_llama, tmp_path) -> None:
     """QQQ fixes W4A8 with symmetric weights when the scheme is made: a format that cannot carry it, or a flag
     against it, stops the run in one line before the model is read; the default output name says W4A8."""
-    for flags, message in ((("--format", "gptq"), "W4A8 (8-bit activations) can only be exported as compressed-tensors"),
+    for flags, message in ((("--format", "gptq"), "8-bit activations (W4A8, FP8) can only be exported as compressed-tensors"),
                            (("--asym",), "qqq needs sym=True; sym=False (--asym) contradicts it"),
                            (("--no-act-order",), "qqq runs GPTQ with act-order: --no-act-order contradicts it")):
         result = _quantize(str(tiny_llama), "--method", "qqq", *flags, "--output", str(tmp_path / "q"))
@@ -258,6 +260,29 @@ def test_the_default_output_is_named_after_the_resolved_scheme(tiny_llama, tmp_p
     assert result.exit_code == 0, result.output
     assert "qqq fixes sym=True, act_bits=8" in result.output
     assert (tmp_path / "out" / f"{tiny_llama.name}-qqq-w4a8-g32" / "quantkit.json").is_file()
+
+
+def test_fp8_writes_a_float_quantized_checkpoint_named_after_its_scheme(tiny_llama, tmp_path, monkeypatch) -> None:
+    """--method fp8 fixes its scheme (said on the console), runs no calibration, and writes e4m3 weights with fp32
+    channel scales that quantkit reloads as FP8 layers; a group size or format against it stops the run first."""
+    monkeypatch.chdir(tmp_path)
+    result = _quantize(str(tiny_llama), "--method", "fp8")
+    assert result.exit_code == 0, result.output
+    assert "fp8 fixes fp8=True, bits=8, act_bits=8, group_size=-1" in result.output
+    out = tmp_path / "out" / f"{tiny_llama.name}-fp8-w8a8-g-1"
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "float-quantized"
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.get_slice("model.layers.0.mlp.down_proj.weight").get_dtype() == "F8_E4M3"
+        assert f.get_slice("model.layers.0.mlp.down_proj.weight_scale").get_dtype() == "F32"
+    model, _ = load_quantized(out, dtype=torch.float32)
+    assert model.model.layers[0].mlp.down_proj.fp8
+    for flags, message in ((("--group-size", "128"), "fp8 needs group_size=-1; group_size=128 (--group-size)"),
+                           (("--format", "gptq"), "8-bit activations (W4A8, FP8) can only be exported as "
+                                                 "compressed-tensors")):
+        result = _quantize(str(tiny_llama), "--method", "fp8", *flags, "--output", str(tmp_path / "refused"))
+        assert result.exit_code == 2 and f"error: {message}" in result.output, result.output
+        assert not (tmp_path / "refused").exists()
 
 
 def test_invalid_method_options_fail_in_one_line(tiny_llama, tmp_path) -> None:

@@ -133,7 +133,7 @@ def _one_line_error(make) -> str:
     (lambda: QQQOptions(smooth_search="golden"), "smooth_search must be one of ('refine', 'grid'), got 'golden' (--smooth-search)"),
     (lambda: QuantConfig.from_dict({"method": "awq", "awq_grid": 0}), "grid must be at least 1, got 0 (--awq-grid)"),
     (lambda: QuantConfig(method="awq", options=GPTQOptions()), "method 'awq' takes AWQOptions, got GPTQOptions"),
-    (lambda: QuantConfig(method="golden"), "unknown method 'golden'; available: awq, awq-gptq, gptq, qqq, rtn"),
+    (lambda: QuantConfig(method="golden"), "unknown method 'golden'; available: awq, awq-gptq, fp8, gptq, qqq, rtn"),
     (lambda: QuantConfig.from_dict({"method": "gptq", "act_ordr": True}), "unknown quant_config keys: act_ordr"),
     (lambda: QuantConfig.from_dict({"method": "gptq", "options": {"grid": 5, "bogus": 1}}),
      "unknown quant_config keys: bogus"),

@@ -5,6 +5,7 @@ against float64, eagerly and from a graph."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -21,6 +22,9 @@ finally:
 
 from quantkit.kernels import keeps_plain_copy  # noqa: E402
 from quantkit.kernels.common import tile_counters  # noqa: E402
+
+from quantkit.nn.qlinear import QuantLinear  # noqa: E402
+from quantkit.qtensor import fp8_quantize  # noqa: E402
 
 K, N = 4096, 2048
 
@@ -71,6 +75,36 @@ def test_a_layer_moved_to_the_gpu_runs_its_kernels_on_one_weight_copy(scheme: st
     assert layer._kernel is None and layer.qweight.device.type == "cpu"
     layer.cuda()
     assert relative_error(layer(x), layer.reference_forward(x)) < tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_an_fp8_layer_runs_its_tuned_kernel_on_one_weight_copy(dtype: torch.dtype, caplog) -> None:
+    """FP8 on the GPU (sm_89+): every kernel config is checked against the reference path by the tuner, the chosen
+    one matches it eagerly, compiled (rounding fused by Inductor) and from a graph at 1 to 300 tokens; the GPU holds
+    the e4m3 weight once (the K-packed bytes stay in host memory)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 tensor cores")
+    torch.manual_seed(0)
+    layer = QuantLinear.from_quantized(fp8_quantize(torch.randn(N, K) * 0.02), torch.randn(N), dtype, act_bits=8)
+    before = torch.cuda.memory_allocated()
+    layer.cuda()
+    on_gpu = torch.cuda.memory_allocated() - before
+    with caplog.at_level(logging.WARNING, logger="quantkit.kernels.autotune"):
+        compiled = torch.compile(layer, fullgraph=True)
+        for m in (1, 5, 64, 300):
+            x = torch.randn(m, K, device="cuda", dtype=dtype)
+            ref = layer.reference_forward(x)
+            assert relative_error(layer(x), ref) < 1e-2, m
+            assert relative_error(compiled(x), ref) < 1e-2, m
+    assert not [r for r in caplog.records if "wrong results" in r.getMessage()], caplog.text
+    assert layer.qweight.device.type == "cpu" and on_gpu < 1.1 * N * K
+    x = torch.randn(16, K, device="cuda", dtype=dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert relative_error(out, layer.reference_forward(x)) < 1e-2
 
 
 def test_a_compiled_decoder_step_on_quantized_layers_matches_the_eager_one() -> None:

@@ -205,6 +205,10 @@ def test_the_end_to_end_benchmark_runs_its_pieces_on_cpu() -> None:
     per_layer = linears // 2 + 2 * sum(n * k // 32 for n, k in [(128, 64), (64, 64), (256, 64), (64, 128)]) + 4 * outputs
     cache = 2 * 2 * 1 * 2 * 16 * 16 * 4  # layers, k and v, batch (check_step's), kv heads, positions, head dim, fp32
     assert bench_e2e.step_bytes(decoder) == 2 * per_layer + 128 * 64 * 4 + cache
+    fp8 = tiny_model("llama")
+    bench_e2e.quantize_randomly(fp8, "fp8", 32)  # the model's own weights in e4m3
+    assert fp8.model.layers[1].self_attn.o_proj.fp8
+    assert bench_e2e.check_step(StaticDecoder(fp8, batch_size=2, max_len=16), 6, 128)["rel_err"] == 0.0
 
 
 def test_fusing_16_bit_linears_shares_their_memory() -> None:

@@ -67,7 +67,7 @@ def accepted() -> list[tuple[QuantConfig, str]]:
 
 
 CASES = accepted()
-MOE_CASES = [(config, fmt) for config, fmt in CASES if config.group_size == 32 and config.bits == 4]
+MOE_CASES = [(config, fmt) for config, fmt in CASES if (config.group_size == 32 and config.bits == 4) or config.fp8]
 
 
 def case_id(case: tuple[QuantConfig, str]) -> str:
@@ -108,7 +108,7 @@ def check_round_trip(model: torch.nn.Module, config: QuantConfig, fmt: str, fold
 def test_the_matrix_covers_every_method_and_format() -> None:
     assert {c.method for c, _ in CASES} == set(registered_methods())
     assert {f for _, f in CASES} == set(FORMATS)
-    assert len(CASES) == 148  # the README says so: 4 methods x 5 schemes x 4 groups in 1-3 formats, + QQQ
+    assert len(CASES) == 149  # the README says so: 4 methods x 5 schemes x 4 groups in 1-3 formats, + QQQ, + FP8
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

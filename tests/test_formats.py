@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from quantkit.config import QuantConfig
 from quantkit.formats import CheckpointScheme, detect_format, get_format
-from quantkit.qtensor import QuantizationError, QuantizedWeight
+from quantkit.qtensor import QuantizationError, QuantizedWeight, fp8_quantize
 
 GROUPS = (-1, 32, 64, 128)
 # (format, bits, sym) combinations each format can hold
@@ -216,6 +216,57 @@ def test_matches_compressed_tensors_compressor(bits: int, sym: bool, act_bits: i
 
     decompressed = compressor.decompress(ours, scheme)["weight"]
     assert torch.equal(decompressed, qw.dequantize())
+
+
+def test_fp8_matches_compressed_tensors_float_compressor() -> None:
+    """The FP8 export is what compressed-tensors' own float-quantized compressor writes from our scales (its
+    quantize rounds w / scale to e4m3 as we do), and decompresses to our dequantized weight."""
+    ct_compressors = pytest.importorskip("compressed_tensors.compressors")
+    config = QuantConfig(method="fp8").validate()
+    qconfig = get_format("compressed-tensors").quantization_config(config, ["lm_head"])
+    scheme = ct_scheme(qconfig)
+    compressor = ct_compressors.BaseCompressor.get_value_from_registry(scheme.format)
+    assert compressor is ct_compressors.FloatQuantizationCompressor
+    torch.manual_seed(8)
+    weight = torch.randn(40, 256) * torch.logspace(-3, 0, 40)[:, None]
+    qw = fp8_quantize(weight)
+    ours = get_format("compressed-tensors").pack(qw, torch.float16)
+    assert ours["weight"].dtype == torch.float8_e4m3fn and ours["weight"].shape == (40, 256)
+    assert ours["weight_scale"].dtype == torch.float32 and ours["weight_scale"].shape == (40, 1)
+    theirs = compressor.compress({"weight": weight, "weight_scale": ours["weight_scale"]}, scheme)
+    assert set(theirs) == set(ours)
+    assert torch.equal(theirs["weight"].view(torch.uint8), ours["weight"].view(torch.uint8))
+    decompressed = compressor.decompress(ours, scheme)["weight"]
+    assert torch.equal(decompressed, qw.dequantize())
+    assert_same_fp8(get_format("compressed-tensors").unpack(ours, qconfig), qw)
+
+
+def assert_same_fp8(actual: QuantizedWeight, expected: QuantizedWeight) -> None:
+    assert actual.fp8 and (actual.bits, actual.group_size, actual.sym) == (8, -1, True)
+    assert torch.equal(actual.codes, expected.codes) and torch.equal(actual.scales, expected.scales)
+
+
+def test_fp8_config_is_what_vllm_serves_as_w8a8_fp8() -> None:
+    """float8 weights per channel, dynamic per-token float8 activations, format float-quantized: vLLM's
+    CompressedTensorsW8A8Fp8 (its _is_fp8_w8a8: float 8-bit weights with static channel strategy and dynamic token
+    activations); transformers parses the same scheme; detect_format reads it back as FP8."""
+    ct_quantization = pytest.importorskip("compressed_tensors.quantization")
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    qconfig = get_format("compressed-tensors").quantization_config(QuantConfig(method="fp8").validate(), ["lm_head"])
+    parsed = ct_quantization.QuantizationConfig.model_validate(qconfig)
+    group = parsed.config_groups["group_0"]
+    assert parsed.format == "float-quantized" and group.format == "float-quantized"
+    assert (group.weights.num_bits, group.weights.type, group.weights.strategy, group.weights.dynamic,
+            group.weights.symmetric) == (8, "float", "channel", False, True)
+    inputs = group.input_activations
+    assert (inputs.num_bits, inputs.type, inputs.strategy, inputs.dynamic, inputs.symmetric) == (
+        8, "float", "token", True, True)
+    hf = CompressedTensorsConfig.from_dict({"quantization_config": qconfig})
+    assert hf.quantization_config.config_groups["group_0"] == group
+    fmt, scheme = detect_format({"quantization_config": qconfig})
+    assert (fmt.name, scheme.bits, scheme.group_size, scheme.act_bits, scheme.fp8) == (
+        "compressed-tensors", 8, -1, 8, True)
 
 
 # ---- quantization_config validity -----------------------------------------------------------------------

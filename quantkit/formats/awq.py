@@ -60,7 +60,7 @@ class AWQFormat(CheckpointFormat):
             raise QuantizationError(f"the AWQ GEMM format stores 4-bit weights only, not {config.bits}-bit; "
                                     "use --format gptq or compressed-tensors for 8-bit")
         if config.act_bits != 16:
-            raise QuantizationError("W4A8 (8-bit activations) can only be exported as compressed-tensors")
+            raise QuantizationError("8-bit activations (W4A8, FP8) can only be exported as compressed-tensors")
 
     def pack(self, qw: QuantizedWeight, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         if qw.bits != AWQ_BITS:

@@ -31,7 +31,8 @@ class CheckpointScheme:
     bits: int
     group_size: int  # -1: per output channel
     sym: bool
-    act_bits: int = 16  # 8: dynamic per-token int8 activations (W4A8)
+    act_bits: int = 16  # 8: dynamic per-token int8 activations (W4A8), or float8 ones with fp8
+    fp8: bool = False  # float8 e4m3 weights per channel (W8A8-FP8)
 
 
 class CheckpointFormat(ABC):

@@ -14,6 +14,12 @@ W4A8 (act_bits 8) adds dynamic per-token symmetric int8 `input_activations` to t
 serves that combination from pack-quantized weights (CompressedTensorsWNA8Int). The scheme carries its
 own `format` because compressed-tensors resolves a module's compressor from the scheme, and would infer
 int-quantized (unpacked int8 weights) for a scheme with input activations.
+
+FP8 (W8A8-FP8) is the `float-quantized` format, what llm-compressor's FP8_DYNAMIC writes and vLLM serves as
+CompressedTensorsW8A8Fp8:
+  weight        float8_e4m3fn [out, in]
+  weight_scale  float32 [out, 1]           W = weight * weight_scale
+with dynamic per-token float8 `input_activations`.
 """
 
 from __future__ import annotations
@@ -27,12 +33,15 @@ from quantkit.formats.base import CheckpointFormat, CheckpointScheme, pack_int32
 from quantkit.qtensor import QuantizationError, QuantizedWeight
 
 PACK_QUANTIZED = "pack-quantized"
+FLOAT_QUANTIZED = "float-quantized"
 # The compressed-tensors release whose serialization this module follows (written as "version").
 COMPRESSED_TENSORS_VERSION = "0.17.0"
 W4A8_INPUT_ACTIVATIONS = {
     "num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "group_size": None,
     "dynamic": True, "actorder": None, "observer": None,
 }
+
+FP8_INPUT_ACTIVATIONS = {**W4A8_INPUT_ACTIVATIONS, "type": "float"}
 
 
 def _weight_args(config: QuantConfig) -> dict:
@@ -41,7 +50,7 @@ def _weight_args(config: QuantConfig) -> dict:
     per_channel = config.group_size == -1
     return {
         "num_bits": config.bits,
-        "type": "int",
+        "type": "float" if config.fp8 else "int",
         "symmetric": config.sym,
         "strategy": "channel" if per_channel else "group",
         "group_size": None if per_channel else config.group_size,
@@ -58,21 +67,20 @@ def _single_scheme(qconfig: dict) -> dict:
                                 "supported (quantkit reads exactly one)")
     scheme = groups[0]
     fmt = scheme.get("format") or qconfig.get("format")
-    if fmt != PACK_QUANTIZED:
-        raise QuantizationError(
-            f"compressed-tensors format {fmt!r} is not supported (only {PACK_QUANTIZED!r})"
-        )
+    if fmt not in (PACK_QUANTIZED, FLOAT_QUANTIZED):
+        raise QuantizationError(f"compressed-tensors format {fmt!r} is not supported (only {PACK_QUANTIZED!r} "
+                                f"and {FLOAT_QUANTIZED!r})")
     return scheme
 
 
-def _activation_bits(input_activations: dict | None) -> int:
-    if not input_activations:
+def _activation_bits(input_activations: dict | None, fp8: bool) -> int:
+    if not input_activations and not fp8:
         return 16
     keys = ("num_bits", "type", "symmetric", "strategy", "dynamic")
-    supported = {key: W4A8_INPUT_ACTIVATIONS[key] for key in keys}
-    if any(input_activations.get(key) != value for key, value in supported.items()):
+    supported = {key: (FP8_INPUT_ACTIVATIONS if fp8 else W4A8_INPUT_ACTIVATIONS)[key] for key in keys}
+    if any((input_activations or {}).get(key) != value for key, value in supported.items()):
         raise QuantizationError(f"compressed-tensors input activations {input_activations} are not "
-                                f"supported; quantkit runs {supported}")
+                                f"supported with these weights; quantkit runs {supported}")
     return 8
 
 
@@ -80,9 +88,12 @@ def _activation_bits(input_activations: dict | None) -> int:
 class CompressedTensorsFormat(CheckpointFormat):
     name = "compressed-tensors"
     quant_method = "compressed-tensors"
-    marker_tensor = "weight_packed"
+    marker_tensor = "weight_scale"  # both formats' quantized linears have it, no dense module does
 
     def pack(self, qw: QuantizedWeight, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        if qw.fp8:
+            return {"weight": qw.codes.view(torch.float8_e4m3fn).contiguous(),
+                    "weight_scale": qw.scales.float().reshape(-1, 1).contiguous()}
         tensors = {
             "weight_packed": pack_int32(qw.codes, qw.bits, dim=1),
             "weight_scale": qw.scales.to(dtype).contiguous(),
@@ -94,6 +105,11 @@ class CompressedTensorsFormat(CheckpointFormat):
 
     def unpack(self, tensors: Mapping[str, torch.Tensor], qconfig: dict) -> QuantizedWeight:
         scheme = self.scheme(qconfig)
+        if scheme.fp8:
+            scales = tensors["weight_scale"].float().reshape(-1, 1).contiguous()
+            return QuantizedWeight(codes=tensors["weight"].view(torch.uint8).contiguous(), scales=scales,
+                                   zeros=torch.zeros_like(scales, dtype=torch.uint8), bits=8, group_size=-1, sym=True,
+                                   fp8=True)
         out_features, in_features = (int(size) for size in tensors["weight_shape"].tolist())
         scales = tensors["weight_scale"].float().contiguous()
         if scheme.sym:
@@ -110,16 +126,18 @@ class CompressedTensorsFormat(CheckpointFormat):
         )
 
     def quantization_config(self, config: QuantConfig, ignored_modules: list[str]) -> dict:
+        fmt = FLOAT_QUANTIZED if config.fp8 else PACK_QUANTIZED
+        activations = FP8_INPUT_ACTIVATIONS if config.fp8 else W4A8_INPUT_ACTIVATIONS
         scheme = {
             "targets": ["Linear"],
             "weights": _weight_args(config),
-            "input_activations": dict(W4A8_INPUT_ACTIVATIONS) if config.act_bits == 8 else None,
+            "input_activations": dict(activations) if config.act_bits == 8 else None,
             "output_activations": None,
-            "format": PACK_QUANTIZED,
+            "format": fmt,
         }
         return {
             "quant_method": self.quant_method,
-            "format": PACK_QUANTIZED,
+            "format": fmt,
             "quantization_status": "compressed",
             "config_groups": {"group_0": scheme},
             # Targets "Linear" match every nn.Linear, so the unquantized ones (lm_head too) must be listed.
@@ -135,9 +153,14 @@ class CompressedTensorsFormat(CheckpointFormat):
         scheme = _single_scheme(qconfig)
         weights = scheme["weights"]
         strategy = weights.get("strategy")
-        if weights.get("type", "int") != "int" or strategy not in ("channel", "group"):
-            raise QuantizationError(f"compressed-tensors weights {weights} are not supported "
-                                    "(quantkit reads int weights with channel or group strategy)")
+        fp8 = (scheme.get("format") or qconfig.get("format")) == FLOAT_QUANTIZED
+        if fp8:
+            supported = (weights.get("type"), weights.get("num_bits"), strategy) == ("float", 8, "channel")
+        else:
+            supported = weights.get("type", "int") == "int" and strategy in ("channel", "group")
+        if not supported:
+            raise QuantizationError(f"compressed-tensors weights {weights} are not supported (quantkit reads int "
+                                    "weights with channel or group strategy, and float8 weights per channel)")
         if weights.get("actorder") in ("group", "dynamic", True):
             raise QuantizationError("compressed-tensors checkpoints with group activation ordering (g_idx) "
                                     "are not supported")
@@ -145,5 +168,6 @@ class CompressedTensorsFormat(CheckpointFormat):
             bits=weights["num_bits"],
             group_size=weights["group_size"] if strategy == "group" else -1,
             sym=weights.get("symmetric", True),
-            act_bits=_activation_bits(scheme.get("input_activations")),
+            act_bits=_activation_bits(scheme.get("input_activations"), fp8),
+            fp8=fp8,
         )

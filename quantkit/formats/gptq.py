@@ -44,7 +44,7 @@ class GPTQFormat(CheckpointFormat):
                 "the GPTQ (v1) format cannot hold asymmetric weights; use --format compressed-tensors or awq"
             )
         if config.act_bits != 16:
-            raise QuantizationError("W4A8 (8-bit activations) can only be exported as compressed-tensors")
+            raise QuantizationError("8-bit activations (W4A8, FP8) can only be exported as compressed-tensors")
 
     def pack(self, qw: QuantizedWeight, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         if not qw.sym:

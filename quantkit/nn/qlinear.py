@@ -9,6 +9,8 @@ Storage (our own, K-packed like GPTQ's `qweight`; exporters convert from/to the 
   act_bits        16 (weight-only) or 8 (per-token dynamic symmetric int8 activations: with integer weights,
                   two-level or per channel, the reference path computes the W4A8 kernels' integer function;
                   with one-level group scales, which no kernel takes, a fake-quantized matmul).
+  fp8             W8A8-FP8: qweight packs float8 e4m3 bytes (8-bit codes), scales [1, out] float32, zeros unused;
+                  activations float8 e4m3 per token (kernels/w8a8_fp8.py, its reference in kernels/reference.py).
 
 On CUDA the Triton kernels in quantkit.kernels run it when they accept the shape, from their own copy of the
 weight (on Hopper their only one: qweight then stays in host memory, see prepare_kernels); everywhere else (and as
@@ -23,8 +25,8 @@ import os
 import torch
 from torch import nn
 
-from quantkit.kernels.layout import int8_tokens, pack_along_rows, unpack_along_rows
-from quantkit.qtensor import QuantizedWeight
+from quantkit.kernels.layout import fp8_tokens, int8_tokens, pack_along_rows, unpack_along_rows
+from quantkit.qtensor import QuantizedWeight, fp8_values
 
 
 def quantize_activations_per_token(x: torch.Tensor) -> torch.Tensor:
@@ -44,14 +46,15 @@ class QuantLinear(nn.Module):
         act_bits: int = 16,
         two_level: bool = False,
         dtype: torch.dtype = torch.float16,
+        fp8: bool = False,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.bits, self.act_bits = bits, act_bits
+        self.bits, self.act_bits, self.fp8 = bits, act_bits, fp8
         self.group_size = in_features if group_size == -1 else group_size
         n_groups = in_features // self.group_size
         self.register_buffer("qweight", torch.zeros(in_features * bits // 32, out_features, dtype=torch.int32))
-        self.register_buffer("scales", torch.zeros(n_groups, out_features, dtype=dtype))
+        self.register_buffer("scales", torch.zeros(n_groups, out_features, dtype=torch.float32 if fp8 else dtype))
         self.register_buffer("zeros", torch.zeros(n_groups, out_features, dtype=torch.uint8))
         self.register_buffer("channel_scales", torch.ones(out_features) if two_level else None)
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
@@ -64,7 +67,7 @@ class QuantLinear(nn.Module):
     ) -> QuantLinear:
         out_f, in_f = qw.shape
         layer = cls(in_f, out_f, qw.bits, qw.group_size, bias is not None, act_bits,
-                    qw.channel_scales is not None, dtype)
+                    qw.channel_scales is not None, dtype, qw.fp8)
         layer.qweight.copy_(pack_along_rows(qw.codes.t().contiguous(), qw.bits))
         group_scales = qw.scales if qw.channel_scales is None else qw.scales / qw.channel_scales[:, None]
         layer.scales.copy_(group_scales.t().to(dtype))
@@ -83,7 +86,7 @@ class QuantLinear(nn.Module):
         dtype and scale scheme; a bias missing from some is zero there."""
         first = layers[0]
         for layer in layers[1:]:
-            for attribute in ("in_features", "bits", "group_size", "act_bits"):
+            for attribute in ("in_features", "bits", "group_size", "act_bits", "fp8"):
                 if getattr(layer, attribute) != getattr(first, attribute):
                     raise ValueError(f"cannot concatenate QuantLinears with {attribute} "
                                      f"{getattr(first, attribute)} and {getattr(layer, attribute)}")
@@ -92,7 +95,7 @@ class QuantLinear(nn.Module):
         has_bias = any(layer.bias is not None for layer in layers)
         with torch.device("meta"):  # every buffer is replaced below: allocate none of them
             fused = cls(first.in_features, sum(layer.out_features for layer in layers), first.bits, first.group_size,
-                        False, first.act_bits, first.channel_scales is not None, first.scales.dtype)
+                        False, first.act_bits, first.channel_scales is not None, first.scales.dtype, first.fp8)
         fused.qweight = torch.cat([layer.plain_qweight() for layer in layers], dim=1)
         fused.scales = torch.cat([layer.scales for layer in layers], dim=1)
         fused.zeros = torch.cat([layer.zeros for layer in layers], dim=1)
@@ -117,13 +120,16 @@ class QuantLinear(nn.Module):
             zeros=self.zeros.t().contiguous(),
             bits=self.bits,
             group_size=group_size,
-            sym=bool((self.zeros == 2 ** (self.bits - 1)).all()),
+            sym=self.fp8 or bool((self.zeros == 2 ** (self.bits - 1)).all()),
             channel_scales=channel,
+            fp8=self.fp8,
         )
 
     def dequantized_weight(self) -> torch.Tensor:
-        """[out, in] weight in the activation dtype, computed from the packed buffers."""
+        """[out, in] weight in the activation dtype (FP8: fp32), computed from the packed buffers."""
         codes = unpack_along_rows(self.plain_qweight(), self.bits)  # [in, out]
+        if self.fp8:
+            return (fp8_values(codes) * self.scales).t()
         g = torch.arange(self.in_features, device=codes.device) // self.group_size
         q = codes.float() - self.zeros[g].float()
         if self.channel_scales is not None:
@@ -145,6 +151,8 @@ class QuantLinear(nn.Module):
         after changing the packed buffers."""
         if not enabled:
             self.dense_weight = None
+        elif self.fp8:  # the e4m3 values [out, in] in fp32, unscaled: the reference's operand
+            self.dense_weight = fp8_values(unpack_along_rows(self.plain_qweight(), 8)).t().contiguous()
         elif self.integer_w4a8:
             from quantkit.kernels import w4a8_operands
             from quantkit.kernels.reference import int8_weight_reference
@@ -156,6 +164,8 @@ class QuantLinear(nn.Module):
             self.dense_weight = self.dequantized_weight()
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            return self._fp8_forward(x)
         if self.integer_w4a8:
             return self._integer_w4a8_forward(x)
         return self.fake_quantized_forward(x, self.dense_weight)
@@ -183,6 +193,18 @@ class QuantLinear(nn.Module):
         else:
             codes, token_scales = int8_tokens(flat)
             out = w4a8_epilogue(int8_products(codes, self.dense_weight), token_scales, channel, self.bias, x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """What the FP8 kernels compute (kernels/reference.fp8_reference): e4m3 tokens times the e4m3 weight, exact
+        products summed in fp32, then the token and channel scales."""
+        from quantkit.kernels.reference import fp8_reference
+
+        weight = self.dense_weight
+        if weight is None:
+            weight = fp8_values(unpack_along_rows(self.plain_qweight(), 8)).t()
+        x8, token_scales = fp8_tokens(x.reshape(-1, self.in_features))
+        out = fp8_reference(x8, token_scales, weight, self.scales[0], self.bias, x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def prepare_kernels(self) -> None:
@@ -237,7 +259,7 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, bits={self.bits}, "
-                f"group={self.group_size}, act_bits={self.act_bits}")
+                f"group={self.group_size}, act_bits={self.act_bits}" + (", fp8" if self.fp8 else ""))
 
 
 def with_act_bits(model: nn.Module, act_bits: int) -> nn.Module:
