@@ -79,9 +79,11 @@ def scaled_mm(x8: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, we
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) from the smallest M bucket each row serves
-_GEMM_TILES = ((1, ((16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 256, 4, 3))),
-               (32, ((32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3))),
-               (128, ((64, 128, 128, 4, 4), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (64, 256, 128, 8, 3))))
+# (the last of each row: a K tile of 64, for widths no 128 divides)
+_GEMM_TILES = ((1, ((16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 256, 4, 3), (16, 64, 64, 4, 4))),
+               (32, ((32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 64, 64, 4, 4))),
+               (128, ((64, 128, 128, 4, 4), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (64, 256, 128, 8, 3),
+                      (128, 128, 64, 8, 4))))
 
 
 def _gemm_candidates(p: Problem) -> list[TileConfig]:
@@ -89,8 +91,9 @@ def _gemm_candidates(p: Problem) -> list[TileConfig]:
     return [TileConfig("gemm", bm, bn, bk, 1, warps, stages) for bm, bn, bk, warps, stages in tiles if p.k % bk == 0]
 
 
+# The Triton kernel first: the untuned default (torch's row-wise scaled_mm may refuse an output dtype on a GPU)
 SPECS = (
-    KernelSpec("scaled_mm", "fp8", "plain", lambda p: [TileConfig("scaled_mm")], scaled_mm, tiled=False),
     KernelSpec("gemm", "fp8", "plain", _gemm_candidates, fp8_gemm),
+    KernelSpec("scaled_mm", "fp8", "plain", lambda p: [TileConfig("scaled_mm")], scaled_mm, tiled=False),
     KernelSpec("scaled_mm_f32", "fp8", "plain", lambda p: [TileConfig("scaled_mm_f32")], scaled_mm, tiled=False),
 )

@@ -124,4 +124,5 @@ def test_gemm_candidates_tile_k_and_grow_with_m() -> None:
         Problem("fp8", 256, 4096, 4096, 4096))
     assert small and large and all(4096 % c.block_k == 0 for c in small + large)
     assert max(c.block_m for c in small) < max(c.block_m for c in large)
-    assert _gemm_candidates(Problem("fp8", 1, 64, 96, 96)) == []  # no K tile divides 96
+    assert [c.block_k for c in _gemm_candidates(Problem("fp8", 1, 64, 576, 576))] == [64]  # SmolLM2's width
+    assert _gemm_candidates(Problem("fp8", 1, 64, 96, 96)) == []  # no K tile divides 96: _scaled_mm alone
