@@ -4,8 +4,8 @@ same text, same windows; the spread across seeds says which orderings of methods
     python benchmarks/bench_accuracy.py --out benchmarks/accuracy/SEEDS_SMOLLM2.md --nsamples 16 --seqlen 256 \
         --windows 4 --seeds 0 1 2 --runs rtn:64 gptq:64 awq-gptq:64 --compare awq-gptq:64<gptq:64 gptq:64<rtn:64
 
-A run is METHOD:GROUP[:a8][:asym][:noao] (noao: GPTQ without act-order); every other option is the method's
-default. RTN's and GPTQ's W4A8 runs evaluate their W4A16 run's weights where it is listed first (they do not
+A run is METHOD:GROUP[:a8][:asym][:noao][:head] (noao: GPTQ without act-order; head: lm_head quantized too); every
+other option is the method's default. RTN's and GPTQ's W4A8 runs evaluate their W4A16 run's weights where it is listed first (they do not
 depend on act_bits). Calibration: the shipped English+Korean set, --nsamples x --seqlen, shuffled by each seed. `--compare A<B`
 reports, per seed, B's mean NLL (over both texts) minus A's: the margin by which A beats B, and how it compares
 with the spread of A and B across seeds.
@@ -33,12 +33,13 @@ from quantkit.nn.qlinear import with_act_bits
 
 
 def parse_run(spec: str, smooth_samples: int | None = None) -> QuantConfig:
-    """METHOD:GROUP[:a8][:asym][:noao] -> its QuantConfig; smooth_samples bounds QQQ's smoothing loss."""
+    """METHOD:GROUP[:a8][:asym][:noao][:head] -> its QuantConfig; smooth_samples bounds QQQ's smoothing loss."""
     method, group, *flags = spec.split(":")
-    unknown = set(flags) - {"a8", "asym", "noao"}
+    unknown = set(flags) - {"a8", "asym", "noao", "head"}
     if unknown:
-        raise ValueError(f"{spec}: unknown flags {sorted(unknown)} (a8, asym, noao)")
-    values = dict(method=method, group_size=int(group), sym="asym" not in flags, act_bits=8 if "a8" in flags else 16)
+        raise ValueError(f"{spec}: unknown flags {sorted(unknown)} (a8, asym, noao, head)")
+    values = dict(method=method, group_size=int(group), sym="asym" not in flags, act_bits=8 if "a8" in flags else 16,
+                  quantize_head="head" in flags)
     if "noao" in flags:
         values["act_order"] = False
     if smooth_samples is not None:

@@ -7,9 +7,11 @@ kernels.
 
 Random weights (speed does not depend on their values): the fp16 model from Llama-3's config (the 70B with as many
 layers as fit in fp16 on the card, --layers: ms per layer is the figure to compare), then each scheme's
-random QuantLinears (g128 symmetric; W4A8 with QQQ's two-level scales, bench_kernels.random_layer; FP8 the fp16
-model's own weights in e4m3 per channel) in place of every decoder linear; embeddings and lm_head stay fp16 in all. quantkit.eval.static_decoder.StaticDecoder runs each model
-(q/k/v and gate/up fused, as serving engines fuse them; a static KV cache of prompt + 64 positions).
+random QuantLinears (g128 symmetric; W4A8 with QQQ's two-level scales, bench_kernels.random_layer; FP8 random
+weights of the fp16 spread in e4m3 per channel) in place of every decoder linear; embeddings and lm_head stay fp16
+in all (--quantize-head: lm_head in W4A16 / FP8 as `quantkit quantize --quantize-head` writes it).
+quantkit.eval.static_decoder.StaticDecoder runs each model (q/k/v and gate/up fused, as serving engines fuse them; a
+static KV cache of prompt + 64 positions).
 - decode: one step of `batch` tokens at position `prompt`, captured in a CUDA graph and replayed (median ms per
   step), tokens/s, and the bytes a step must read (linear weights and scales, lm_head, the whole cache) per second
   (on an H200 against its 4.25 TB/s copy roof); for --compiled-batches also through torch.compile (fullgraph), whose
@@ -40,6 +42,8 @@ from bench_kernels import printing_log, random_layer, relative_error, run_meta
 from quantkit.kernels.layout import pack_along_rows
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from quantkit.config import QuantConfig
+from quantkit.engine import quantize_head
 from quantkit.eval.report import decode_curve, throughput_at
 from quantkit.eval.speed import compiled_step, median_seconds
 from quantkit.eval.static_decoder import StaticDecoder
@@ -67,8 +71,8 @@ def llama3(shape: str, layers: int) -> LlamaConfig:
 
 
 def quantize_randomly(model: torch.nn.Module, scheme: str, group: int) -> None:
-    """Every decoder linear replaced by a random QuantLinear of the scheme (the fp16 weights freed); FP8 quantizes the
-    model's own random weights."""
+    """Every decoder linear replaced by a random QuantLinear of the scheme (the fp16 weights freed); FP8 rounds random
+    weights of the fp16 model's spread."""
     adapter = get_adapter(model)
     device = model.get_input_embeddings().weight.device
     for layer in adapter.get_layers(model):
@@ -76,7 +80,8 @@ def quantize_randomly(model: torch.nn.Module, scheme: str, group: int) -> None:
             parent, leaf = name.rsplit(".", 1)
             linear = layer.get_submodule(name)
             if scheme == "fp8":
-                fp8 = QuantLinear.from_quantized(fp8_quantize(linear.weight), None, linear.weight.dtype, act_bits=8)
+                weight = torch.randn(linear.out_features, linear.in_features, device=device) * WEIGHT_STD
+                fp8 = QuantLinear.from_quantized(fp8_quantize(weight), None, torch.float16, act_bits=8)
                 setattr(layer.get_submodule(parent), leaf, fp8.to(device))
                 continue
             quantized = random_layer(linear.in_features, linear.out_features, group, scheme, device=device)
@@ -92,10 +97,14 @@ def quantize_randomly(model: torch.nn.Module, scheme: str, group: int) -> None:
             setattr(layer.get_submodule(parent), leaf, quantized)
 
 
+HEAD_SCHEMES = {"w4a16": lambda group: QuantConfig(method="rtn", group_size=group, quantize_head=True),
+                "fp8": lambda group: QuantConfig(method="fp8", quantize_head=True)}
+
+
 def step_bytes(decoder: StaticDecoder) -> int:
     """What one decode step must read: the linears' weights (packed codes and scales), lm_head, the whole cache."""
-    total = decoder.lm_head.weight.nbytes + sum(k.nbytes + v.nbytes for k, v in decoder.cache)
-    for linear in decoder.linears():
+    total = sum(k.nbytes + v.nbytes for k, v in decoder.cache)
+    for linear in [*decoder.linears(), decoder.lm_head]:
         if isinstance(linear, QuantLinear):
             total += linear.qweight.nbytes + linear.scales.nbytes
             total += 0 if linear.channel_scales is None else linear.channel_scales.nbytes
@@ -310,19 +319,26 @@ def main() -> int:
     parser.add_argument("--shape", default="8b", choices=list(LLAMA3))
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--quantize-head", action="store_true",
+                        help="lm_head in the scheme too (W4A16 round to nearest, FP8; W4A8 keeps it fp16)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = printing_log(args.out / "log_e2e.txt")
-    meta = run_meta(shape=args.shape, layers=args.layers, prompt=args.prompt, group=args.group)
+    meta = run_meta(shape=args.shape, layers=args.layers, prompt=args.prompt, group=args.group,
+                    quantize_head=args.quantize_head)
     torch.manual_seed(0)
     config = llama3(args.shape, args.layers)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float16).eval()
     results, failures = {}, 0
+    fp16_head = model.lm_head
     for scheme in ["fp16", *args.schemes]:
         t0 = time.time()
         if scheme != "fp16":
             quantize_randomly(model, scheme, args.group)
+            model.lm_head = fp16_head
+            if args.quantize_head and scheme in HEAD_SCHEMES:
+                quantize_head(model, get_adapter(model), HEAD_SCHEMES[scheme](args.group), torch.device("cuda"))
         decoder = StaticDecoder(model, batch_size=1, max_len=args.prompt + DECODE_SLACK)
         gc.collect()
         torch.cuda.empty_cache()

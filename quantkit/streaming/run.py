@@ -33,6 +33,7 @@ from quantkit.export import (
     write_shards,
 )
 from quantkit.formats import get_format
+from quantkit.formats.base import CheckpointFormat
 from quantkit.models import get_adapter
 from quantkit.models.adapters import ArchAdapter
 from quantkit.models.loading import load_failure
@@ -81,7 +82,7 @@ def _disk_errors(work: Path) -> Iterator[None]:
 
 
 def _export_plan(model: nn.Module, adapter: ArchAdapter, ckpt: SafetensorsCheckpoint, work: WorkDir,
-                 dtype: torch.dtype, unbuilt: list[str]) -> ExportPlan:
+                 fmt: CheckpointFormat, dtype: torch.dtype, unbuilt: list[str]) -> ExportPlan:
     """export_plan with each layer's tensors read one at a time from the work files, those outside the layers
     from the checkpoint, then `unbuilt` (unbuilt_layer_tensors: already under the checkpoint's names)."""
     per_layer = work.tensor_sizes()
@@ -91,7 +92,7 @@ def _export_plan(model: nn.Module, adapter: ArchAdapter, ckpt: SafetensorsCheckp
         with safe_open(work.layer_file(owner[key]), "pt") as f:
             return f.get_tensor(key)
 
-    sizes, spec, load = export_plan(model, adapter, dtype, [[k for k, _ in sizes] for sizes in per_layer],
+    sizes, spec, load = export_plan(model, adapter, fmt, dtype, [[k for k, _ in sizes] for sizes in per_layer],
                                     work.tensor_specs(), load_layer,
                                     lambda key: cast_dense(read_outside_tensor(model, ckpt, key), dtype))
     if not unbuilt:
@@ -193,7 +194,8 @@ def quantize_streaming(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, toke
 
         try:
             hooks = LayerHooks(layer_source, on_layer_done, start, work.hidden_states(start) if start else None,
-                               lambda: release_outside_layers(model, adapter, ckpt), ranks)
+                               lambda: release_outside_layers(model, adapter, ckpt), ranks,
+                               lambda name: read_outside_tensor(model, ckpt, name))
             report = quantize_model(model, adapter, calib, config, device=device, batch_size=batch_size,
                                     show_progress=run.show_progress, offload_dir=run.offload_dir, hooks=hooks)
         except BaseException:
@@ -219,7 +221,7 @@ def _write_export(model: PreTrainedModel, adapter: ArchAdapter, ckpt: Safetensor
     folder.mkdir()
     pause_between_phases()
     unbuilt = unbuilt_layer_tensors(model, adapter, ckpt)
-    write_shards(folder, *_export_plan(model, adapter, ckpt, work, torch_dtype, unbuilt))
+    write_shards(folder, *_export_plan(model, adapter, ckpt, work, get_format(fmt_name), torch_dtype, unbuilt))
     write_metadata(folder, model, tokenizer, config, fmt_name, torch_dtype, report.to_dict(),
                    also_ignored=unbuilt_linears(unbuilt))
     pause_between_phases()
