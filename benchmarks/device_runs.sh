@@ -5,9 +5,11 @@
 #   w4a16      the tuned W4A16 g128 grid, six shapes, M = 1 16 64 1024 4096                            (~4 min)
 #   w4a8       the tuned W4A8 two-level g128 grid, M = 1 16 64 256 1024 4096                          (~4 min)
 #   e2e        the Llama-3-8B-shaped model end to end, compiled, with SDPA beside the kernel          (~4 min)
-#   batches    the same, compiled at batch 1 8 16 64 (#42's bars), fp16 and one scheme: `... batches COMMIT SCHEME` (~8 min)
+#   batches    the same, compiled at batch 1 8 16 64 (#42's bars), fp16 and one scheme (w4a16, w4a8 or fp8):
+#              `... batches COMMIT SCHEME [--quantize-head]` (~8 min)
 #   curve      fp16 and W4A16 compiled at batch 1 4 16 64 128: the throughput-latency curve, equal-latency speedups (~8 min)
-#   e2e70b     the Llama-3-70B shape, 32 of its layers (what fits in fp16 beside the rest), compiled at batch 1 8 64: `... e2e70b COMMIT SCHEME` (~6 min)
+#   e2e70b     the Llama-3-70B shape, 32 of its layers (what fits in fp16 beside the rest), compiled at batch 1 8 64:
+#              `... e2e70b COMMIT SCHEME [--quantize-head]` (~6 min)
 #   stream70b  streamed GPTQ of a Llama-3-70B-shaped checkpoint, 12 layers (~40 GB of local disk)    (~5 min)
 #   stream235b streamed GPTQ of a Qwen3-235B-A22B-shaped checkpoint, 3 layers (~17 GB of local disk)  (~6 min)
 #   deepseek   streamed GPTQ of a DeepSeek-V3-671B-shaped FP8 checkpoint, 2 layers (~52 GB of disk at peak) (~8 min)
@@ -40,14 +42,14 @@ case $part in
   batches)
     scheme=${3:?batches needs a scheme: bash benchmarks/device_runs.sh batches COMMIT w4a16|w4a8}
     timeout 580 python benchmarks/bench_e2e.py --out "$OUT/batches_$scheme" --schemes "$scheme" --batches 1 8 16 64 \
-      --compiled-batches 1 8 16 64 ;;
+      --compiled-batches 1 8 16 64 "${@:4}" ;;
   curve)
     timeout 580 python benchmarks/bench_e2e.py --out "$OUT/curve" --schemes w4a16 --batches 1 \
       --compiled-batches 1 4 16 64 128 ;;
   e2e70b)
     scheme=${3:?e2e70b needs a scheme: bash benchmarks/device_runs.sh e2e70b COMMIT w4a16|w4a8}
     timeout 580 python benchmarks/bench_e2e.py --out "$OUT/e2e70b_$scheme" --shape 70b --layers 32 --schemes "$scheme" \
-      --batches 1 --compiled-batches 1 8 64 ;;
+      --batches 1 --compiled-batches 1 8 64 "${@:4}" ;;
   stream70b)
     df -h /tmp | tail -1
     timeout 570 python benchmarks/bench_streaming_device.py --shape 70b --layers 12 --out "$OUT/stream70b" ;;
