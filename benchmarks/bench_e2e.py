@@ -42,14 +42,13 @@ from bench_kernels import printing_log, random_layer, relative_error, run_meta
 from quantkit.kernels.layout import pack_along_rows
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from quantkit.config import QuantConfig
-from quantkit.engine import quantize_head
 from quantkit.eval.report import decode_curve, throughput_at
 from quantkit.eval.speed import compiled_step, median_seconds
 from quantkit.eval.static_decoder import StaticDecoder
 from quantkit.models import get_adapter
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import fp8_quantize
+from quantkit.quantizers.rtn import rtn_quantize
 
 COPY_ROOF = {"H200": 4.25e12}  # bytes/s, measured copy rate by device (issue #4); others: GB/s alone
 DECODE_SLACK = 64  # cache positions after the prompt
@@ -97,8 +96,16 @@ def quantize_randomly(model: torch.nn.Module, scheme: str, group: int) -> None:
             setattr(layer.get_submodule(parent), leaf, quantized)
 
 
-HEAD_SCHEMES = {"w4a16": lambda group: QuantConfig(method="rtn", group_size=group, quantize_head=True),
-                "fp8": lambda group: QuantConfig(method="fp8", quantize_head=True)}
+def quantize_head(model: torch.nn.Module, scheme: str, group: int) -> None:
+    """--quantize-head: lm_head as a W4A16 (round to nearest, symmetric) or FP8 QuantLinear of its own weight; the
+    speed is that of `quantkit quantize --quantize-head`'s head, whatever its calibration chose."""
+    weight = model.lm_head.weight.detach()
+    qw = fp8_quantize(weight) if scheme == "fp8" else rtn_quantize(weight, 4, group, True, False)
+    head = QuantLinear.from_quantized(qw, None, weight.dtype, act_bits=8 if scheme == "fp8" else 16)
+    model.lm_head = head.to(weight.device)
+
+
+HEAD_SCHEMES = ("w4a16", "fp8")  # W4A8's head stays fp16 (--quantize-head takes weight-only schemes and FP8)
 
 
 def step_bytes(decoder: StaticDecoder) -> int:
@@ -338,7 +345,7 @@ def main() -> int:
             quantize_randomly(model, scheme, args.group)
             model.lm_head = fp16_head
             if args.quantize_head and scheme in HEAD_SCHEMES:
-                quantize_head(model, get_adapter(model), HEAD_SCHEMES[scheme](args.group), torch.device("cuda"))
+                quantize_head(model, scheme, args.group)
         decoder = StaticDecoder(model, batch_size=1, max_len=args.prompt + DECODE_SLACK)
         gc.collect()
         torch.cuda.empty_cache()

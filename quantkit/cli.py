@@ -136,8 +136,8 @@ def quantize(
         "still follows the routing); default: each expert's routed tokens, too few handled by the documented "
         "fallback")] = False,
     quantize_head: Annotated[bool, typer.Option(
-        "--quantize-head", help="quantize lm_head too (round to nearest on the scheme's grid, or FP8; weight-only "
-        "schemes and FP8); default: kept in 16 bits")] = False,
+        "--quantize-head", help="quantize lm_head too, with the method's quantizer on the normed last hidden states "
+        "(weight-only schemes and FP8); default: kept in 16 bits")] = False,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="continue an interrupted streaming run of the same command")] = True,
     resume_interval: Annotated[float, typer.Option(
         "--resume-interval", help="streaming: seconds between saves of the hidden states a resume starts from "

@@ -117,7 +117,8 @@ class QuantConfig:
     # W8A8-FP8: float8 e4m3 weights with one scale per output channel and dynamic per-token float8 activations
     # (bits 8, act_bits 8, per channel; the fp8 method sets it)
     fp8: bool = False
-    # lm_head quantized too (round to nearest on the body's grid, or FP8; weight-only schemes and FP8): the largest
+    # lm_head quantized too, by the method's quantizer on the normed last hidden states (weight-only schemes and FP8;
+    # AWQ's and RTN's: round to nearest): the largest
     # single matrix of a model, a fifth of a 4-bit 8B model's bytes while it stays 16-bit
     quantize_head: bool = False
     # MoE: every expert's statistics from every calibration token (the layer's output still follows the routing);

@@ -14,6 +14,7 @@ Only the layer being worked on, its statistics and the hidden states live on the
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -37,10 +38,9 @@ from quantkit.models.moe import (
     layer_calibration,
 )
 from quantkit.nn.qlinear import QuantLinear
-from quantkit.qtensor import QuantizationError, QuantizedWeight, fp8_quantize
+from quantkit.qtensor import QuantizationError, QuantizedWeight
 from quantkit.quantizers.base import LinearQuantizer, Method, get_method
 from quantkit.quantizers.context import LayerContext, StopForward
-from quantkit.quantizers.rtn import rtn_quantize
 
 log = logging.getLogger("quantkit")
 
@@ -437,41 +437,70 @@ def quantize_model(
             progress.update(task, advance=1, note=note)
             if ranks.writer and not progress.console.is_terminal:  # a log file: one line per layer instead of a bar
                 log.info("layer %d/%d quantized: %s", i + 1, len(layers), note)
-    if config.quantize_head:
-        with timer("head"):
-            report.head = quantize_head(model, adapter, config, device, hooks.read_outside)
+        if config.quantize_head:
+            with timer("head"):
+                ctx = LayerContext(len(layers), _HeadStep(model, adapter, device, hooks.read_outside), adapter,
+                                   inputs, [{} for _ in masks], masks, device, share=share)
+                report.head = quantize_head(model, adapter, ctx, method, timer, calibration)
     model.config.use_cache = True
     report.seconds = time.perf_counter() - start
     return report
 
 
-def quantize_head(model: nn.Module, adapter: ArchAdapter, config: QuantConfig, device: torch.device,
-                  read_outside: Callable[[str], torch.Tensor] | None = None) -> dict:
-    """lm_head replaced by a QuantLinear: round to nearest on the scheme's grid (FP8: e4m3 per channel), on the work
-    device; a head tied to the embeddings is untied (they stay 16-bit). Calibration-free, so every rank (and a resumed
-    run) makes the same head. `read_outside` reads its weight where the model no longer holds it. Returns the
-    report's entry."""
-    name = adapter.outer.lm_head
-    head = model.get_submodule(name)
+class _StatisticsOnly(nn.Linear):
+    """lm_head's weight for its quantizer, on the work device. Its forward passes its input on: the statistics hooks
+    read the input, and a 70B head's logits of one calibration batch would be gigabytes nobody reads."""
 
-    def tensor(leaf: str) -> torch.Tensor | None:
-        value = getattr(head, leaf)
-        if value is None or not value.is_meta:
-            return None if value is None else value.detach()
-        return read_outside(f"{name}.{leaf}")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
-    weight, bias = tensor("weight").to(device), tensor("bias")
-    if config.fp8:
-        qw = fp8_quantize(weight)
-    else:
-        qw = rtn_quantize(weight, config.bits, config.group_size, config.sym, False, config.scale_torch_dtype)
-    quantized = QuantLinear.from_quantized(qw.to("cpu"), bias, head.weight.dtype, act_bits=config.act_bits)
-    _replace_module(model, name, quantized if head.weight.is_meta else quantized.to(head.weight.device))
+
+class _HeadStep(nn.Module):
+    """The final norm and lm_head as one more step of the engine (its own LayerContext): the head calibrates on the
+    normed hidden states after the last layer, gathered as any layer's linears are (several ranks included).
+    Tensors the model no longer holds (a streamed run releases them after the capture) come from `read_outside`."""
+
+    def __init__(self, model: nn.Module, adapter: ArchAdapter, device: torch.device,
+                 read_outside: Callable[[str], torch.Tensor] | None) -> None:
+        super().__init__()
+
+        def real(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return read_outside(name) if tensor.is_meta else tensor.detach()
+
+        self.norm = copy.deepcopy(model.get_submodule(adapter.outer.final_norm))
+        for name, parameter in list(self.norm.named_parameters()):
+            owner, _, leaf = name.rpartition(".")
+            value = real(f"{adapter.outer.final_norm}.{name}", parameter)
+            setattr(self.norm.get_submodule(owner) if owner else self.norm, leaf, nn.Parameter(value, False))
+        self.norm.to(device)
+        head = model.get_submodule(adapter.outer.lm_head)
+        # a copy: the solve writes its dequantized weight here, and the model's may be the (tied) embeddings
+        weight = real(f"{adapter.outer.lm_head}.weight", head.weight).to(device, torch.float32, copy=True)
+        self.head = _StatisticsOnly(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.head.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if head.bias is None else real(f"{adapter.outer.lm_head}.bias", head.bias)
+        self.dtype, self.on_meta = head.weight.dtype, head.weight.is_meta
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(hidden_states))
+
+
+def quantize_head(model: nn.Module, adapter: ArchAdapter, ctx: LayerContext, method: Method, timer: _PhaseTimer,
+                  calibration: LayerCalibration) -> dict:
+    """lm_head replaced by a QuantLinear of the scheme: the method's quantizer on the normed hidden states after the
+    last layer (GPTQ's Hessian; RTN and FP8 need none), on the work device; a head tied to the embeddings is untied
+    (they stay 16-bit). Returns the report's entry."""
+    step: _HeadStep = ctx.layer
+    qw = _quantize_step(ctx, method, ["head"], timer, calibration)["head"]
+    quantized = QuantLinear.from_quantized(qw.to("cpu"), step.bias, step.dtype, act_bits=method.config.act_bits)
+    device = model.get_submodule(adapter.outer.lm_head).weight.device
+    _replace_module(model, adapter.outer.lm_head, quantized if step.on_meta else quantized.to(device))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     model.config.tie_word_embeddings = False  # the export's config: the head is its own tensors now
-    log.info("lm_head [%d x %d] quantized (%s)%s", *qw.shape, "FP8" if config.fp8 else "round to nearest",
+    log.info("lm_head [%d x %d] quantized by %s on %d calibration tokens%s", *qw.shape, method.name,
+             sum(int(m.sum()) for m in ctx.token_masks) if method.needs_activations else 0,
              ", untied from the embeddings" if tied else "")
-    return {"shape": list(qw.shape), "method": "fp8" if config.fp8 else "rtn", "untied": tied}
+    return {"shape": list(qw.shape), "method": method.name, "untied": tied, **qw.info}
 
 
 def _layer_outputs(ctx: LayerContext, store, timer: _PhaseTimer,

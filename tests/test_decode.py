@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
-from quantkit.engine import quantize_head, quantize_model
+from quantkit.engine import quantize_model
 from quantkit.eval.report import speed_rows
 from quantkit.eval.runner import run_eval
 from quantkit.eval.static_decoder import StaticDecoder, fuse_linears
@@ -207,8 +207,7 @@ def test_the_end_to_end_benchmark_runs_its_pieces_on_cpu() -> None:
     assert bench_e2e.step_bytes(decoder) == 2 * per_layer + 128 * 64 * 4 + cache
     fp8 = tiny_model("llama")
     bench_e2e.quantize_randomly(fp8, "fp8", 32)
-    head = bench_e2e.HEAD_SCHEMES["fp8"](32)  # --quantize-head
-    quantize_head(fp8, get_adapter(fp8), head, torch.device("cpu"))
+    bench_e2e.quantize_head(fp8, "fp8", 32)  # --quantize-head
     assert fp8.model.layers[1].self_attn.o_proj.fp8 and fp8.lm_head.fp8
     fp8_decoder = StaticDecoder(fp8, batch_size=2, max_len=16)
     assert bench_e2e.check_step(fp8_decoder, 6, 128)["rel_err"] == 0.0

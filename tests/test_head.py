@@ -1,7 +1,7 @@
-"""--quantize-head: lm_head quantized on the scheme's grid (round to nearest) or in FP8, untied from tied embeddings,
-written by the one export writer whichever way the model came in (the streamed export has the in-memory bytes),
-reloaded and scored layer by layer as the in-memory model computes it. vLLM and transformers loading it:
-test_vllm_formats.py (its `head` cases)."""
+"""--quantize-head: lm_head quantized by the method (GPTQ on the normed last hidden states; RTN and FP8 without
+calibration), untied from tied embeddings, written by the one export writer whichever way the model came in (the
+streamed export has the in-memory bytes), reloaded and scored layer by layer as the in-memory model computes it.
+vLLM and transformers loading it: test_vllm_formats.py (its `head` cases)."""
 
 from __future__ import annotations
 
@@ -23,24 +23,51 @@ from quantkit.quantizers.rtn import rtn_quantize
 from quantkit.reload import load_quantized
 
 W4 = QuantConfig(method="gptq", group_size=32, quantize_head=True)
+RTN = QuantConfig(method="rtn", group_size=32, quantize_head=True)
 FP8 = QuantConfig(method="fp8", quantize_head=True)
 
 
-@pytest.mark.parametrize("config", [W4, FP8], ids=["w4a16", "fp8"])
-def test_a_tied_head_is_quantized_on_the_grid_and_untied(tmp_path, single_thread, config: QuantConfig) -> None:
+def _tied_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    source = _checkpoint(tmp_path / "src", tied=True)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(_checkpoint(tmp_path / "src", tied=True), dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("config", [RTN, FP8], ids=["rtn", "fp8"])
+def test_a_calibration_free_head_is_its_grid_and_untied(tmp_path, single_thread, config: QuantConfig) -> None:
+    model = _tied_model(tmp_path)
     embeddings = model.get_input_embeddings().weight.detach().clone()
     report = quantize_model(model, get_adapter(model), random_calibration(), config, device="cpu",
                             show_progress=False)
-    assert report.head == {"shape": [128, 64], "method": "fp8" if config.fp8 else "rtn", "untied": True}
+    assert report.head == {"shape": [128, 64], "method": config.method, "untied": True}
     assert isinstance(model.lm_head, QuantLinear) and not model.config.tie_word_embeddings
     assert torch.equal(model.get_input_embeddings().weight, embeddings)  # the embeddings stay as they were
     expected = fp8_quantize(embeddings) if config.fp8 else rtn_quantize(embeddings, 4, 32, True, False)
     torch.testing.assert_close(model.lm_head.dequantized_weight().float(), expected.dequantize(), rtol=0, atol=0)
     assert report.to_dict()["head"] == report.head
+
+
+def test_gptq_calibrates_the_head_on_the_normed_last_hidden_states(tmp_path, single_thread) -> None:
+    """The head is one more engine step: GPTQ's Hessian from the final norm's outputs on the quantized layers'
+    hidden states (real tokens only), so its output error there is below RTN's on the same grid."""
+    model = _tied_model(tmp_path)
+    original = model.lm_head.weight.detach().clone()
+    calib = random_calibration()
+    report = quantize_model(model, get_adapter(model), calib, W4, device="cpu", show_progress=False)
+    assert report.head["method"] == "gptq" and report.head["nsamples"] == int(calib.attention_mask.sum())
+    normed = []
+    hook = model.model.norm.register_forward_hook(lambda _m, _a, out: normed.append(out))
+    with torch.no_grad():
+        model(calib.input_ids, attention_mask=calib.attention_mask)
+    hook.remove()
+    x = normed[0][calib.attention_mask.bool()]
+    reference = x @ original.t()
+
+    def error(weight: torch.Tensor) -> float:
+        return float((x @ weight.t() - reference).norm())
+
+    rtn = rtn_quantize(original, 4, 32, True, False).dequantize()
+    assert error(model.lm_head.dequantized_weight().float()) < 0.9 * error(rtn)
 
 
 @pytest.mark.parametrize(("config", "fmt"), [(W4, "compressed-tensors"), (W4, "gptq"), (FP8, "compressed-tensors")],
