@@ -76,14 +76,15 @@ def _rank_pid(agent: int, rank: int) -> int | None:
 def test_two_ranks_give_one_process_bytes(smollm2_gguf, tmp_path, method: str, fmt: str) -> None:
     """A dense checkpoint. awq-gptq splits the batches: its scale search adds up each candidate's per-batch losses,
     its mean |x| and its clip samples in batch order, every linear's Hessian is accumulated by the rank that
-    solves it from both ranks' batches in batch order, and the guard's errors are summed in that order. QQQ runs
-    every batch on both ranks and shares the solves. Either way the export is byte for byte the one process's."""
+    solves it from both ranks' batches in batch order (the quantized lm_head's too, from the last hidden states),
+    and the guard's errors are summed in that order. QQQ runs every batch on both ranks and shares the solves.
+    Either way the export is byte for byte the one process's."""
     from quantkit.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(smollm2_gguf))
     source = _checkpoint(tmp_path / "dense", layers=2, vocab=len(tokenizer), tokenizer=tokenizer)
     whole, out = tmp_path / "whole", tmp_path / "out"
-    flags = [*SPLIT, "--method", method, "--format", fmt]
+    flags = [*SPLIT, "--method", method, "--format", fmt, *(["--quantize-head"] if method == "awq-gptq" else [])]
     subprocess.run([*_command(source, whole), *flags], env=_env(0), check=True, capture_output=True, timeout=120)
     ranks = subprocess.run(_torchrun([*_command(source, out), *flags]), env=_env(0), capture_output=True, text=True,
                            timeout=180)
@@ -92,6 +93,7 @@ def test_two_ranks_give_one_process_bytes(smollm2_gguf, tmp_path, method: str, f
     split = "rank 0 of 2: calibration batches [0, 2] of 3" in log and "rank 1 of 2: calibration batches [1] of 3" in log
     assert split == (method != "qqq")
     assert _digest(out) == _digest(whole) and _figures(out) == _figures(whole)
+    assert ("head" in _figures(out)) == (method == "awq-gptq")
 
 
 def test_two_ranks_killed_then_resumed_give_one_process_bytes(smollm2_gguf, tmp_path) -> None:
