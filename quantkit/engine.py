@@ -497,8 +497,7 @@ def quantize_head(model: nn.Module, adapter: ArchAdapter, ctx: LayerContext, met
     _replace_module(model, adapter.outer.lm_head, quantized if step.on_meta else quantized.to(device))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     model.config.tie_word_embeddings = False  # the export's config: the head is its own tensors now
-    log.info("lm_head [%d x %d] quantized by %s on %d calibration tokens%s", *qw.shape, method.name,
-             sum(int(m.sum()) for m in ctx.token_masks) if method.needs_activations else 0,
+    log.info("lm_head [%d x %d] quantized by %s%s", *qw.shape, method.name,
              ", untied from the embeddings" if tied else "")
     return {"shape": list(qw.shape), "method": method.name, "untied": tied, **qw.info}
 

@@ -31,7 +31,6 @@ GROUP = 128
 DEFAULT = QuantConfig(group_size=GROUP)  # the CLI's scheme for Gemma-3 (test_the_cli_default_group_is_128)
 RTN = QuantConfig(method="rtn", group_size=GROUP)
 FP8 = QuantConfig(method="fp8")
-FP8_HEAD = QuantConfig(method="fp8", quantize_head=True)
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +66,9 @@ def test_default_costs_less_perplexity_than_rtn(runs) -> None:
 def test_fp8_costs_less_perplexity_than_the_default_and_little(runs) -> None:
     """FP8 on Gemma-3's real weights: below the default's mean NLL (SEEDS_GEMMA3.md: margin 0.145-0.171, 5.5x the
     default's spread over three seeds) and within +5% perplexity of fp32 per text (measured +2.2% English, +3.3%
-    Korean). With the head (tied embeddings, 262k x 640) in FP8 as well, still below the default (margin 0.149,
-    5.7x the default's spread)."""
+    Korean)."""
     fp, fp8, default = runs.fp.nll, runs[FP8].nll, runs[DEFAULT].nll
-    assert mean(fp8) < mean(runs[FP8_HEAD].nll) < mean(default), (fp8, default)
+    assert mean(fp8) < mean(default), (fp8, default)
     for text in fp:
         assert fp8[text] - fp[text] < torch.log1p(torch.tensor(0.05)).item(), (text, fp, fp8)
 
