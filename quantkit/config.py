@@ -118,8 +118,8 @@ class QuantConfig:
     # (bits 8, act_bits 8, per channel; the fp8 method sets it)
     fp8: bool = False
     # lm_head quantized too, by the method's quantizer on the normed last hidden states (weight-only schemes and FP8;
-    # AWQ's and RTN's: round to nearest): the largest
-    # single matrix of a model, a fifth of a 4-bit 8B model's bytes while it stays 16-bit
+    # AWQ's and RTN's: round to nearest): the largest single matrix of a model, a fifth of a 4-bit 8B model's bytes
+    # while it stays 16-bit
     quantize_head: bool = False
     # MoE: every expert's statistics from every calibration token (the layer's output still follows the routing);
     # off: each expert's from the tokens routed to it, too few tokens handled by models/moe.py's LowTokenGuard

@@ -125,7 +125,6 @@ def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits
     return (quantize_codes(w, scale, zero, bits) - zero) * scale
 
 
-
 def fp8_values(codes: torch.Tensor) -> torch.Tensor:
     """float8 e4m3 bytes (uint8) -> their values in fp32 (exact)."""
     return codes.view(torch.float8_e4m3fn).to(torch.float32)
@@ -135,6 +134,10 @@ def fp8_quantize(weight: torch.Tensor) -> QuantizedWeight:
     """weight [out, in] as float8 e4m3 with one fp32 scale per output channel (max |w| / 448): the W8A8-FP8
     weights vLLM serves (compressed-tensors' float-quantized channel strategy)."""
     scales = fp8_row_scales(weight)
-    codes = to_fp8(weight, scales).view(torch.uint8)
+    return fp8_weight(to_fp8(weight, scales).view(torch.uint8), scales)
+
+
+def fp8_weight(codes: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
+    """The FP8 QuantizedWeight of e4m3 bytes (uint8 [out, in]) and their fp32 scales [out, 1]."""
     return QuantizedWeight(codes=codes, scales=scales, zeros=torch.zeros_like(scales, dtype=torch.uint8), bits=8,
                            group_size=-1, sym=True, fp8=True)

@@ -30,7 +30,7 @@ import torch
 
 from quantkit.config import QuantConfig
 from quantkit.formats.base import CheckpointFormat, CheckpointScheme, pack_int32, register, unpack_int32
-from quantkit.qtensor import QuantizationError, QuantizedWeight
+from quantkit.qtensor import QuantizationError, QuantizedWeight, fp8_weight
 
 PACK_QUANTIZED = "pack-quantized"
 FLOAT_QUANTIZED = "float-quantized"
@@ -60,7 +60,7 @@ def _weight_args(config: QuantConfig) -> dict:
     }
 
 
-def _single_scheme(qconfig: dict) -> dict:
+def _single_scheme(qconfig: dict) -> tuple[dict, str]:
     groups = list(qconfig.get("config_groups", {}).values())
     if len(groups) != 1:
         raise QuantizationError(f"compressed-tensors checkpoints with {len(groups)} config groups are not "
@@ -70,7 +70,7 @@ def _single_scheme(qconfig: dict) -> dict:
     if fmt not in (PACK_QUANTIZED, FLOAT_QUANTIZED):
         raise QuantizationError(f"compressed-tensors format {fmt!r} is not supported (only {PACK_QUANTIZED!r} "
                                 f"and {FLOAT_QUANTIZED!r})")
-    return scheme
+    return scheme, fmt
 
 
 def _activation_bits(input_activations: dict | None, fp8: bool) -> int:
@@ -106,10 +106,8 @@ class CompressedTensorsFormat(CheckpointFormat):
     def unpack(self, tensors: Mapping[str, torch.Tensor], qconfig: dict) -> QuantizedWeight:
         scheme = self.scheme(qconfig)
         if scheme.fp8:
-            scales = tensors["weight_scale"].float().reshape(-1, 1).contiguous()
-            return QuantizedWeight(codes=tensors["weight"].view(torch.uint8).contiguous(), scales=scales,
-                                   zeros=torch.zeros_like(scales, dtype=torch.uint8), bits=8, group_size=-1, sym=True,
-                                   fp8=True)
+            return fp8_weight(tensors["weight"].view(torch.uint8).contiguous(),
+                              tensors["weight_scale"].float().reshape(-1, 1).contiguous())
         out_features, in_features = (int(size) for size in tensors["weight_shape"].tolist())
         scales = tensors["weight_scale"].float().contiguous()
         if scheme.sym:
@@ -151,10 +149,10 @@ class CompressedTensorsFormat(CheckpointFormat):
         }
 
     def scheme(self, qconfig: dict) -> CheckpointScheme:
-        scheme = _single_scheme(qconfig)
+        scheme, fmt = _single_scheme(qconfig)
         weights = scheme["weights"]
         strategy = weights.get("strategy")
-        fp8 = (scheme.get("format") or qconfig.get("format")) == FLOAT_QUANTIZED
+        fp8 = fmt == FLOAT_QUANTIZED
         if fp8:
             supported = (weights.get("type"), weights.get("num_bits"), strategy) == ("float", 8, "channel")
         else:

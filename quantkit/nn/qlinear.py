@@ -127,9 +127,9 @@ class QuantLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """[out, in] weight in the activation dtype (FP8: fp32), computed from the packed buffers."""
-        codes = unpack_along_rows(self.plain_qweight(), self.bits)  # [in, out]
         if self.fp8:
-            return (fp8_values(codes) * self.scales).t()
+            return self._e4m3_values() * self.scales.t()
+        codes = unpack_along_rows(self.plain_qweight(), self.bits)  # [in, out]
         g = torch.arange(self.in_features, device=codes.device) // self.group_size
         q = codes.float() - self.zeros[g].float()
         if self.channel_scales is not None:
@@ -151,8 +151,8 @@ class QuantLinear(nn.Module):
         after changing the packed buffers."""
         if not enabled:
             self.dense_weight = None
-        elif self.fp8:  # the e4m3 values [out, in] in fp32, unscaled: the reference's operand
-            self.dense_weight = fp8_values(unpack_along_rows(self.plain_qweight(), 8)).t().contiguous()
+        elif self.fp8:  # unscaled: the reference's operand
+            self.dense_weight = self._e4m3_values()
         elif self.integer_w4a8:
             from quantkit.kernels import w4a8_operands
             from quantkit.kernels.reference import int8_weight_reference
@@ -200,12 +200,14 @@ class QuantLinear(nn.Module):
         products summed in fp32, then the token and channel scales."""
         from quantkit.kernels.reference import fp8_reference
 
-        weight = self.dense_weight
-        if weight is None:
-            weight = fp8_values(unpack_along_rows(self.plain_qweight(), 8)).t()
+        weight = self._e4m3_values() if self.dense_weight is None else self.dense_weight
         x8, token_scales = fp8_tokens(x.reshape(-1, self.in_features))
         out = fp8_reference(x8, token_scales, weight, self.scales[0], self.bias, x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _e4m3_values(self) -> torch.Tensor:
+        """An FP8 layer's e4m3 weight values [out, in] in fp32, unscaled."""
+        return fp8_values(unpack_along_rows(self.plain_qweight(), 8)).t().contiguous()
 
     def prepare_kernels(self) -> None:
         """Build the Triton-kernel forward for this layer's device and shape, if one applies. Runs by
