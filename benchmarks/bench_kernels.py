@@ -1,10 +1,10 @@
-"""Check and time the W4A16 / W4A8 kernels against cuBLAS fp16 (F.linear) on Llama shapes.
+"""Check and time the W4A16 / W4A8 / FP8 kernels against cuBLAS fp16 (F.linear) on Llama shapes.
 
-    python benchmarks/bench_kernels.py --out benchmarks/kernels [--check] [--schemes w4a16 w4a8]
+    python benchmarks/bench_kernels.py --out benchmarks/kernels [--check] [--schemes w4a16 w4a8 fp8]
 
 Every timing is the median over replays of a CUDA graph that holds several calls, each on its own copy of
 weights and inputs (enough copies to overflow L2, so no call finds its weight cached), divided by the calls.
-The baseline runs the same way in the same process. W4A8 times include the activation quantization.
+The baseline runs the same way in the same process. W4A8 and FP8 times include the activation quantization.
 Writes results.json, results.md (date, device, command, git commit) and speedup.png into --out.
 """
 
@@ -32,6 +32,7 @@ from quantkit.kernels.spec import TileConfig, fits_k, gemv_config
 
 from quantkit.eval.speed import replay_seconds
 from quantkit.nn.qlinear import QuantLinear
+from quantkit.qtensor import fp8_quantize
 
 SHAPES = {  # name: (K, N)
     "8B qkv": (4096, 6144), "8B o": (4096, 4096), "8B gate_up": (4096, 28672), "8B down": (14336, 4096),
@@ -51,6 +52,8 @@ def target(scheme: str, shape: str, m: int) -> float | None:
     if scheme == "w4a16":
         floor = 0.9 if m >= 1024 else W4A16_TARGETS.get(m)
         return floor.get(shape) if isinstance(floor, dict) else floor
+    if scheme == "fp8":  # issue #42's anchor: CUTLASS FP8 W8A8 on the H100, 1.55-1.92x cuBLAS fp16 from M = 1024
+        return 1.55 if m >= 1024 else None
     floors = [QQQ_ANCHORS.get(shape, {}).get(m), 1.1 if m >= 1024 else None]
     return max((f for f in floors if f is not None), default=None)
 
@@ -65,8 +68,13 @@ DTYPE = torch.float16
 
 def random_layer(k: int, n: int, group: int, scheme: str, dtype: torch.dtype = DTYPE, sym: bool = True,
                  bias: bool = False, device: str = "cuda") -> QuantLinear:
-    """Random QuantLinear: W4A16, W4A8 per-channel (group -1) or W4A8 two-level (group > 0). Its own forward
-    is built before the buffers are filled: time it through make_kernel_forward, or call prepare_kernels."""
+    """Random QuantLinear: W4A16, W4A8 per-channel (group -1), W4A8 two-level (group > 0) or FP8 (per channel,
+    group ignored). Its own forward is built before the buffers are filled: time it through make_kernel_forward,
+    or call prepare_kernels."""
+    if scheme == "fp8":
+        weight = torch.randn(n, k, device=device) * 0.02
+        return QuantLinear.from_quantized(fp8_quantize(weight), torch.randn(n) if bias else None, dtype,
+                                          act_bits=8).to(device)
     two_level = scheme == "w4a8" and group != -1
     layer = QuantLinear(k, n, 4, group, bias, 8 if scheme == "w4a8" else 16, two_level, dtype).to(device)
     layer.qweight.copy_(torch.randint(-2**31, 2**31 - 1, layer.qweight.shape, dtype=torch.int32, device=device))
@@ -254,7 +262,10 @@ def _without_pdl(calls: list) -> float:
 def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict, sym: bool = True,
                compare_pdl: bool = False) -> dict:
     fp16_bytes = 2 * (k * n + m * k + m * n)
-    q_bytes = k * n // 2 + 2 * n * (k // (group if group > 0 else k)) + 2 * (m * k + m * n)
+    if scheme == "fp8":  # e4m3 weights, fp32 row scales
+        q_bytes = k * n + 4 * n + 2 * (m * k + m * n)
+    else:
+        q_bytes = k * n // 2 + 2 * n * (k // (group if group > 0 else k)) + 2 * (m * k + m * n)
     t_base, quant_calls = cublas_time(k, n, m), []
     key = (scheme, k, n, group, sym)
     if key not in layers:
@@ -262,7 +273,7 @@ def bench_cell(scheme: str, k: int, n: int, m: int, group: int, layers: dict, sy
         layers[key] = [random_layer(k, n, group, scheme, sym=sym) for _ in range(copies_for(q_bytes))]
     for layer in layers[key]:
         forward = make_kernel_forward(layer)
-        plain = forward.plain_qweight.is_cuda  # else the swap-layout kernels alone (kernels.keeps_plain_copy)
+        plain = scheme == "fp8" or forward.plain_qweight.is_cuda  # else the swap-layout kernels alone
         x = torch.randn(m, k, device="cuda", dtype=DTYPE)
         forward(x)  # tunes this M bucket (outside the capture), or reads the cache
         quant_calls.append(lambda f=forward, x=x: f(x))
@@ -568,6 +579,19 @@ def printing_log(path: Path) -> Callable[[str], None]:
     return log
 
 
+def cell_key(device: str, scheme: str, layer: QuantLinear, m: int, group: int, asym: bool, plain: bool) -> str:
+    """The tuning-cache key the layer's forward used for this M (as the kernels' ops build it)."""
+    from quantkit.kernels.autotune import tuning_key
+
+    k, n = layer.in_features, layer.out_features
+    if scheme == "fp8":
+        return tuning_key(device, scheme, DTYPE, n, k, k, m, False, None, False)
+    two_level = None if scheme == "w4a16" else group > 0
+    swap = scheme == "w4a16" or not asym  # which layers random_layer gives a swap layout
+    return tuning_key(device, scheme, DTYPE, n, k, group if group > 0 else k, m, asym, two_level, swap,
+                      layer_swap_block(layer), plain)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/kernels"))
@@ -605,7 +629,7 @@ def main() -> int:
         log(f"correctness: {failures} failures ({time.time() - t0:.0f}s)")
         (args.out / "tensor_cores.json").write_text(json.dumps(tensor_core_report(), indent=1))
     meta["check_failures"] = failures
-    from quantkit.kernels.autotune import tuning_cache, tuning_key
+    from quantkit.kernels.autotune import tuning_cache
 
     class TunerWarnings(logging.Handler):  # the grid's cold tuner: every config it rejected, in the results
         def emit(self, record: logging.LogRecord) -> None:
@@ -622,13 +646,9 @@ def main() -> int:
                 t0 = time.time()
                 row = dict(scheme=scheme, shape=shape, K=k, N=n, M=m, group=args.group, device=meta["device"],
                            **bench_cell(scheme, k, n, m, args.group, layers, not args.asym, args.compare_pdl))
-                two_level = None if scheme == "w4a16" else args.group > 0
-                swap = scheme == "w4a16" or not args.asym  # which layers random_layer gives a swap layout
-                key = tuning_key(meta["device"], scheme, DTYPE, n, k, args.group if args.group > 0 else k, m,
-                                 args.asym, two_level, swap, layer_swap_block(layers[(scheme, k, n, args.group,
-                                                                                      not args.asym)][0]),
-                                 row["plain_copy"])
-                tuned = tuning_cache().get(key)
+                layer = layers[(scheme, k, n, args.group, not args.asym)][0]
+                tuned = tuning_cache().get(cell_key(meta["device"], scheme, layer, m, args.group, args.asym,
+                                                    row["plain_copy"]))
                 row["config"] = json.dumps(tuned.as_dict() if tuned else "default").replace('"', "")
                 results.append(row)
                 log(f"{scheme} {shape} M={m}: {row['t_kernel_us']:.1f}us vs {row['t_cublas_us']:.1f}us "

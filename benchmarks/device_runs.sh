@@ -4,6 +4,7 @@
 #   check      the GPU tests (test_cuda.py, test_gptq.py on cuda) and the decode attention kernel alone against SDPA  (~3 min)
 #   w4a16      the tuned W4A16 g128 grid, six shapes, M = 1 16 64 1024 4096                            (~4 min)
 #   w4a8       the tuned W4A8 two-level g128 grid, M = 1 16 64 256 1024 4096                          (~4 min)
+#   fp8        the FP8 GPU tests, then the tuned FP8 (W8A8, per channel) grid, M = 1 16 64 256 1024 4096 (~5 min)
 #   e2e        the Llama-3-8B-shaped model end to end, compiled, with SDPA beside the kernel          (~4 min)
 #   batches    the same, compiled at batch 1 8 16 64 (#42's bars), fp16 and one scheme (w4a16, w4a8 or fp8):
 #              `... batches COMMIT SCHEME [--quantize-head]` (~8 min)
@@ -36,6 +37,9 @@ case $part in
     timeout 560 python benchmarks/bench_kernels.py --schemes w4a16 --ms 1 16 64 1024 4096 --out "$OUT/w4a16" ;;
   w4a8)
     timeout 560 python benchmarks/bench_kernels.py --schemes w4a8 --ms 1 16 64 256 1024 4096 --out "$OUT/w4a8" ;;
+  fp8)
+    PYTHONPATH=/tmp/qk timeout 150 python -P -m pytest -q -p no:cacheprovider tests/test_cuda.py -k fp8 2>&1 | tail -15 || true
+    timeout 400 python benchmarks/bench_kernels.py --schemes fp8 --ms 1 16 64 256 1024 4096 --out "$OUT/fp8" ;;
   e2e)
     timeout 560 python benchmarks/bench_e2e.py --out "$OUT/e2e" --schemes w4a16 w4a8 --batches 1 16 \
       --compiled-batches 1 --profile --compare-attention ;;
@@ -84,5 +88,5 @@ case $part in
     done ;;
   moe)
     timeout 560 python benchmarks/bench_moe.py --out "$OUT/moe" ;;
-  *) echo "unknown part $part: check, w4a16, w4a8, e2e, batches, curve, e2e70b, stream70b, stream235b, deepseek, ranks235b, ranks70b, reload70b, layerwise70b, quantize or moe" >&2; exit 2 ;;
+  *) echo "unknown part $part: check, w4a16, w4a8, fp8, e2e, batches, curve, e2e70b, stream70b, stream235b, deepseek, ranks235b, ranks70b, reload70b, layerwise70b, quantize or moe" >&2; exit 2 ;;
 esac
