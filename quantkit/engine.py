@@ -31,7 +31,7 @@ from torch import nn
 from quantkit.config import QuantConfig
 from quantkit.data import CalibrationSet
 from quantkit.distributed import SINGLE, Ranks, batch_share
-from quantkit.layer_guard import guard_layer, snapshot
+from quantkit.layer_guard import Snapshot, guard_layer
 from quantkit.models.adapters import ArchAdapter
 from quantkit.models.moe import (
     LayerCalibration,
@@ -47,7 +47,6 @@ log = logging.getLogger("quantkit")
 # at most this share of the device's free memory holds a step's statistics (GPTQ's Hessians); the rest is the
 # solves' working copies and the forwards'
 STATISTICS_FRACTION = 0.4
-GUARD_COPIES = 3  # the guard's snapshot, RTN's codes and scales, and their dequantized weights: about 3 layers
 
 
 class _LayerRecorder(nn.Module):
@@ -304,12 +303,13 @@ def _solve(ctx: LayerContext, groups: list[list[str]],
 
 
 def _guard_fits(layer: nn.Module, device: torch.device, index: int) -> bool:
-    """Whether the no-harm guard's copies fit beside the layer: its snapshot, then RTN's weights and their
-    dequantized form (GUARD_COPIES layers' bytes). A DeepSeek-V3 layer is 22.5 GB in bf16: on one 80 GB GPU its
-    guard would not fit; it is skipped, logged and in the report."""
+    """Whether the no-harm guard's copies fit beside the layer: its snapshot (at most the layer's bytes), RTN's codes
+    and scales, and one linear's weight made at a time (layer_guard). Where they do not, the guard is skipped, logged
+    and in the report."""
     from quantkit.streaming.hidden import device_available  # quantkit.streaming imports this module
 
-    need = GUARD_COPIES * sum(t.numel() * t.element_size() for t in layer.state_dict().values())
+    sizes = [t.numel() * t.element_size() for t in layer.state_dict().values()]
+    need = sum(sizes) * 5 // 4 + 2 * max(sizes)
     if need <= device_available(device):
         return True
     log.warning("layer %d: the no-harm guard needs %.1f GiB beside the layer, more than %s has free: skipped",
@@ -400,7 +400,7 @@ def quantize_model(
                 hooks.source.load(i, layer, device)
             ctx = LayerContext(i, layer, adapter, inputs, _move(layer_kwargs[i], device), masks, device, share=share)
             calibration.attach(layer, ctx)
-            original = snapshot(layer) if guarded and _guard_fits(layer, device, i) else None
+            original = Snapshot(layer) if guarded and _guard_fits(layer, device, i) else None
             with timer("smooth"):
                 entry: dict = {"layer": i, "smoothing": method.smooth_layer(ctx), "linears": {}}
             if guarded and original is None:

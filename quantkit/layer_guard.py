@@ -13,9 +13,12 @@ and the log says so.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
@@ -25,30 +28,87 @@ from quantkit.quantizers.context import LayerContext, first_output
 from quantkit.quantizers.rtn import rtn_quantize
 
 log = logging.getLogger("quantkit")
+NARROWER = (torch.bfloat16, torch.float16, torch.float32)  # tried in this order for a snapshot's float tensors
 
 
-def snapshot(layer: nn.Module) -> dict[str, torch.Tensor]:
-    """The layer's parameters and buffers as they are now (before smoothing moves scales between them)."""
-    return {name: t.detach().clone() for name, t in layer.state_dict().items()}
+def _narrowest(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` in the narrowest float dtype that holds every value exactly (else its own dtype)."""
+    if tensor.is_floating_point():
+        for dtype in NARROWER:
+            if dtype.itemsize < tensor.element_size():
+                narrow = tensor.to(dtype)
+                if torch.equal(narrow.to(tensor.dtype), tensor):
+                    return narrow
+    return tensor.clone()
 
 
-def rtn_weights(original: dict[str, torch.Tensor], names: Iterable[str], config: QuantConfig) -> dict[str, QuantizedWeight]:
+class Snapshot:
+    """The layer's parameters and buffers as they are now (before smoothing moves scales between them), each kept in
+    the narrowest float dtype that holds it exactly: a CPU run widens a bf16 checkpoint's layer to fp32, whose copy
+    then takes half its bytes. `snapshot[name]` gives a tensor back in the layer's dtype."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        state = layer.state_dict()
+        self.dtypes = {name: t.dtype for name, t in state.items()}
+        self.tensors = {name: _narrowest(t.detach()) for name, t in state.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name].to(self.dtypes[name])
+
+    def state(self, without: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+        skip = set(without)
+        return {name: self[name] for name in self.tensors if name not in skip}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def rtn_weights(original: Snapshot, names: Iterable[str], config: QuantConfig) -> dict[str, QuantizedWeight]:
     """RTN of each named linear's original weight on the method's grid (bits, group size, symmetry, scale dtype)."""
     return {name: rtn_quantize(original[f"{name}.weight"], config.bits, config.group_size, config.sym, False,
                                config.scale_torch_dtype) for name in names}
 
 
+def _linear_with(module: nn.Module, weight: Callable[[], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight(), module.bias)
+
+
+@contextmanager
+def _weights_made_per_call(layer: nn.Module, weight: Callable[[str], torch.Tensor], names: Iterable[str]) -> Iterator[None]:
+    """Each named linear runs on `weight(name)`, made when it runs and dropped after: the layer's other weights
+    (the original, RTN's) never exist whole beside it, one linear's at a time."""
+    modules = [layer.get_submodule(name) for name in names]
+    before = [module.__dict__.get("forward") for module in modules]  # a forward set on the instance (hooks) returns
+    for name, module in zip(names, modules, strict=True):
+        module.forward = partial(_linear_with, module, partial(weight, name))
+    try:
+        yield
+    finally:
+        for module, forward in zip(modules, before, strict=True):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
+
+
 @torch.no_grad()
-def output_errors(ctx: LayerContext, quantized: Iterable[torch.Tensor], original: dict[str, torch.Tensor],
-                  rtn: dict[str, torch.Tensor]) -> tuple[float, float]:
+def output_errors(ctx: LayerContext, quantized: Iterable[torch.Tensor], original: Snapshot,
+                  rtn: dict[str, QuantizedWeight]) -> tuple[float, float]:
     """Summed squared output error over real tokens of the quantized outputs and of RTN's, against the original;
     with split batches, every rank's batches summed in batch order."""
+    names = list(rtn)
+    weights = [f"{name}.weight" for name in names]
+    rest = original.state(without=weights)  # norms, biases, routers: small
     errors = []
     for batch, (x, kwargs, mask, out) in enumerate(zip(ctx.inputs, ctx.kwargs, ctx.token_masks, quantized,
                                                         strict=True)):
         ctx.current_mask, ctx.current_batch = mask, batch  # MoE blocks route the real tokens only
-        reference = first_output(functional_call(ctx.layer, original, (x,), kwargs))
-        with_rtn = first_output(functional_call(ctx.layer, {**original, **rtn}, (x,), kwargs))
+        with _weights_made_per_call(ctx.layer, lambda name: original[f"{name}.weight"], names):
+            reference = first_output(functional_call(ctx.layer, rest, (x,), kwargs))
+        with _weights_made_per_call(ctx.layer, lambda name: rtn[name].dequantize(original.dtypes[f"{name}.weight"]),
+                                    names):
+            with_rtn = first_output(functional_call(ctx.layer, rest, (x,), kwargs))
         reference = ctx.real_tokens(reference).double()
         errors.append((float((ctx.real_tokens(out).double() - reference).pow(2).sum()),
                        float((ctx.real_tokens(with_rtn).double() - reference).pow(2).sum())))
@@ -61,17 +121,25 @@ def output_errors(ctx: LayerContext, quantized: Iterable[torch.Tensor], original
 
 
 @torch.no_grad()
-def guard_layer(ctx: LayerContext, original: dict[str, torch.Tensor], results: dict[str, QuantizedWeight],
+def restore_with_rtn(layer: nn.Module, original: Snapshot, rtn: dict[str, QuantizedWeight]) -> None:
+    """The layer back to its original state with RTN's dequantized weights, copied in place one tensor at a time."""
+    state = layer.state_dict()
+    weights = {f"{name}.weight": qw for name, qw in rtn.items()}
+    for name, tensor in state.items():
+        tensor.copy_(weights[name].dequantize(tensor.dtype) if name in weights else original.tensors[name])
+
+
+@torch.no_grad()
+def guard_layer(ctx: LayerContext, original: Snapshot, results: dict[str, QuantizedWeight],
                 outputs: Iterable[torch.Tensor], config: QuantConfig) -> tuple[dict, dict[str, QuantizedWeight] | None]:
     """(report entry, RTN's weights if the layer must fall back to them, else None). On a fallback the layer holds
     its original state with RTN's dequantized weights."""
     rtn = rtn_weights(original, results, config)
-    dequantized = {f"{n}.weight": qw.dequantize(original[f"{n}.weight"].dtype) for n, qw in rtn.items()}
-    method_error, rtn_error = output_errors(ctx, outputs, original, dequantized)
+    method_error, rtn_error = output_errors(ctx, outputs, original, rtn)
     entry = {"output_error": method_error, "rtn_output_error": rtn_error}
     if not method_error > rtn_error:
         return entry, None
     log.warning("layer %d: output error %.4g above RTN's %.4g on the calibration batches; the layer falls back to "
                 "RTN", ctx.index, method_error, rtn_error)
-    ctx.layer.load_state_dict({**original, **dequantized})
+    restore_with_rtn(ctx.layer, original, rtn)
     return {**entry, "fallback": "rtn"}, rtn

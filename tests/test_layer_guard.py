@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 
 import pytest
 import torch
 from test_awq import layer_context, outlier_model
 from test_engine import random_calibration
 
+from quantkit import layer_guard
 from quantkit.config import QuantConfig
 from quantkit.engine import quantize_model
-from quantkit.layer_guard import guard_layer, snapshot
+from quantkit.layer_guard import Snapshot, guard_layer
 from quantkit.models import get_adapter
 from quantkit.quantizers.awq import AWQ, AWQOptions
 from quantkit.quantizers.context import first_output
@@ -32,7 +34,7 @@ def test_guard_errors_match_brute_force() -> None:
     model = outlier_model("llama", torch.float64)
     ctx = layer_context(model, random_calibration(pad_from={0: 7}), index=1)
     original_layer = copy.deepcopy(ctx.layer)
-    original = snapshot(ctx.layer)
+    original = Snapshot(ctx.layer)
     config = QuantConfig(method="gptq", group_size=32)
     results = {}
     for name in ("self_attn.q_proj", "mlp.down_proj"):  # a "method": RTN of a perturbed weight
@@ -56,6 +58,50 @@ def test_guard_errors_match_brute_force() -> None:
         torch.testing.assert_close(qw.dequantize(torch.float64), rtn_layer.get_submodule(name).weight, rtol=0, atol=0)
     for name, tensor in ctx.layer.state_dict().items():
         assert torch.equal(tensor, rtn_layer.state_dict()[name]), name
+
+
+def test_a_snapshot_keeps_each_tensor_in_the_narrowest_exact_dtype() -> None:
+    """A CPU run widens a bf16 checkpoint's layer to fp32: the snapshot takes half its bytes and gives the same
+    fp32 values back; a tensor no narrower dtype holds exactly stays as it is."""
+    layer = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight.to(torch.bfloat16))  # fp32 holding bf16 values, as a widened checkpoint
+        layer.bias.add_(1e-9)  # fp32 values no 16-bit dtype holds
+    original = Snapshot(layer)
+    assert original.tensors["weight"].dtype == torch.bfloat16 and original.tensors["bias"].dtype == torch.float32
+    for name, tensor in layer.state_dict().items():
+        assert original[name].dtype == torch.float32 and torch.equal(original[name], tensor), name
+    assert original.nbytes == 64 * 32 * 2 + 32 * 4
+
+
+def test_the_guard_makes_one_linear_weight_at_a_time(monkeypatch) -> None:
+    """The original's and RTN's weights are made per linear as it runs and dropped after: the guard never holds a
+    second copy of the layer's weights beside its snapshot (the GPU's budget for a DeepSeek-V3 layer of 22.5 GB)."""
+    model = outlier_model("llama")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16))
+    ctx = layer_context(model, random_calibration(), index=1)
+    original = Snapshot(ctx.layer)
+    names = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
+    results = {name: rtn_quantize(ctx.layer.get_submodule(name).weight, 4, 32, True, False) for name in names}
+    live, most = set(), [0]
+
+    def tracking(module, weight, x):
+        def made():
+            tensor = weight()
+            live.add(id(tensor))
+            most[0] = max(most[0], len(live))
+            weakref.finalize(tensor, live.discard, id(tensor))
+            return tensor
+        return real(module, made, x)
+
+    real = layer_guard._linear_with
+    monkeypatch.setattr(layer_guard, "_linear_with", tracking)
+    guard_layer(ctx, original, results, ctx.forward(), QuantConfig(method="gptq", group_size=32))
+    assert most[0] == 1 and not live
+    for name in names:  # the layer's own forwards are back
+        assert "forward" not in ctx.layer.get_submodule(name).__dict__
 
 
 @torch.no_grad()
