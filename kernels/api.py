@@ -222,15 +222,20 @@ def _fp8_unsupported_reason(layer: torch.nn.Module) -> str | None:
 def _fp8_forward(layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The FP8 forward: the layer's e4m3 bytes as [N, K] (the operand the fp8 MMAs read) on its device; the K-packed
     copy goes to host memory (the same bytes, for exports and the reference path)."""
+    from .common import tile_counters
     from .layout import fp8_tokens, unpack_along_rows
+    from .w8a8_fp8 import fp8_rows
 
     device = layer.scales.device
+    tile_counters(device)  # the split-K counters, allocated now, never inside a CUDA-graph capture
     weight = unpack_along_rows(layer.qweight.to(device), 8).t().contiguous().view(torch.float8_e4m3fn)
     weight_scales = layer.scales[0].float().contiguous()
     bias, k, n = layer.bias, layer.in_features, layer.out_features
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        x8, x_scales = fp8_tokens(x.reshape(-1, k))
+        x2 = x.reshape(-1, k).contiguous()
+        # compiled: torch ops, which Inductor fuses into the norm before; else one launch, the same bytes
+        x8, x_scales = fp8_tokens(x2) if torch.compiler.is_compiling() else fp8_rows(x2)
         out = torch.ops.quantkit.fp8_linear(x8, x_scales, weight, weight_scales, bias, x.dtype)
         return out.reshape(*x.shape[:-1], n)
 

@@ -59,10 +59,10 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.fp8:
             return (fp8_values(self.codes) * self.scales).to(dtype)
-        g = self.group_index()
-        q = self.codes.to(torch.float32)
-        w = (q - self.zeros[:, g].to(torch.float32)) * self.scales[:, g].to(torch.float32)
-        return w.to(dtype)
+        out, k = self.codes.shape  # groups are runs of inputs: a view, not a gather of each column's group
+        q = self.codes.reshape(out, self.n_groups, k // self.n_groups).to(torch.float32)
+        w = (q - self.zeros.to(torch.float32)[:, :, None]) * self.scales.to(torch.float32)[:, :, None]
+        return w.reshape(out, k).to(dtype)
 
 
 def check_group_size(in_features: int, group_size: int) -> int:

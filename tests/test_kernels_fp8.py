@@ -12,8 +12,8 @@ import pytest
 import torch
 from quantkit.kernels.api import fp8_run, make_kernel_forward
 from quantkit.kernels.layout import FP8_MAX, FP8_MIN_SCALE, fp8_tokens
-from quantkit.kernels.spec import Problem, TileConfig
-from quantkit.kernels.w8a8_fp8 import _gemm_candidates
+from quantkit.kernels.spec import Problem, TileConfig, split_k_for
+from quantkit.kernels.w8a8_fp8 import _gemm_candidates, fp8_rows
 
 from quantkit.nn.qlinear import QuantLinear
 from quantkit.qtensor import fp8_quantize
@@ -49,6 +49,31 @@ def test_weight_codes_are_each_channels_nearest_e4m3() -> None:
     torch.testing.assert_close(values, nearest_e4m3(weight.double() / qw.scales.double()), rtol=0, atol=0)
     error = (qw.dequantize() - weight).abs() / weight.abs().amax(dim=1, keepdim=True)
     assert error.max() <= 2**-4 * 1.01  # half an e4m3 step at the top binade, relative to the row's largest
+
+
+@pytest.mark.parametrize(("m", "k"), [(1, 4096), (3, 576), (300, 1088)])
+def test_the_rows_kernel_rounds_as_the_torch_ops_do(m, k) -> None:
+    """fp8_rows (one launch; a few tokens' rows in segments) gives fp8_tokens' scales and codes bit for bit: an
+    all-zero row, rows across five decades, each row's largest at +-448."""
+    torch.manual_seed(m)
+    x = (torch.randn(m, k) * torch.logspace(-3, 2, m)[:, None]).half()
+    x[m // 2] = 0.0
+    codes, scales = fp8_rows(x)
+    expected_codes, expected_scales = fp8_tokens(x)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+
+
+def test_the_rows_kernel_rounds_ties_to_even_and_subnormals_as_torch() -> None:
+    """A row whose max is 448 (scale 1): ties between e4m3 neighbours go to the even one (17 -> 16, 19 -> 20,
+    2**-10 -> 0, 3 * 2**-10 -> 2**-8), subnormals keep their 2**-9 steps, -0 stays -0, and 124.3 rounds up into
+    the next binade (128)."""
+    row = torch.tensor([448.0, 17.0, 19.0, 2**-10, 3 * 2**-10, 5 * 2**-9, -0.0, 124.3, -0.3, 1e-6] * 4)
+    codes, scales = fp8_rows(row[None])
+    expected_codes, expected_scales = fp8_tokens(row[None])
+    assert float(scales) == 1.0 and torch.equal(scales, expected_scales)
+    assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+    assert codes[0, :8].float().tolist() == [448.0, 16.0, 20.0, 0.0, 2**-8, 5 * 2**-9, -0.0, 128.0]
 
 
 def random_fp8_layer(k: int, n: int, dtype: torch.dtype, bias: bool, seed: int) -> QuantLinear:
@@ -88,7 +113,8 @@ def test_reference_path_is_the_float64_function(dtype, bias) -> None:
 
 
 CONFIGS = [(1, TileConfig("gemm", 16, 32, 64, 1, 4, 2)), (21, TileConfig("gemm", 16, 64, 128, 1, 4, 2)),
-           (40, TileConfig("gemm", 32, 32, 64, 1, 4, 2)), (3, TileConfig("scaled_mm")),
+           (40, TileConfig("gemm", 32, 32, 64, 1, 4, 2)), (1, TileConfig("gemm", 16, 32, 64, 4, 4, 2)),
+           (21, TileConfig("gemm", 16, 64, 64, 2, 4, 2)), (3, TileConfig("scaled_mm")),
            (33, TileConfig("scaled_mm_f32")), (5, TileConfig("reference"))]
 
 
@@ -124,5 +150,16 @@ def test_gemm_candidates_tile_k_and_grow_with_m() -> None:
         Problem("fp8", 256, 4096, 4096, 4096))
     assert small and large and all(4096 % c.block_k == 0 for c in small + large)
     assert max(c.block_m for c in small) < max(c.block_m for c in large)
-    assert [c.block_k for c in _gemm_candidates(Problem("fp8", 1, 64, 576, 576))] == [64]  # SmolLM2's width
+    assert {c.block_k for c in _gemm_candidates(Problem("fp8", 1, 64, 576, 576))} == {64}  # SmolLM2's width
     assert _gemm_candidates(Problem("fp8", 1, 64, 96, 96)) == []  # no K tile divides 96: _scaled_mm alone
+
+
+def test_narrow_layers_at_few_tokens_also_get_a_k_split_that_fills_the_sms() -> None:
+    """Llama-3-8B's o_proj at one token: 4096 / 64 = 64 output tiles for 132 SMs; each tile is also offered split
+    over K (at split_k_for's split), while 4096 tokens fill the card unsplit."""
+    few = _gemm_candidates(Problem("fp8", 1, 4096, 4096, 4096))
+    for config in [c for c in few if c.split_k == 1]:
+        tiles = -(-4096 // config.block_n)
+        assert any(c.split_k == split_k_for(tiles, 4096 // c.block_k) > 1 and c.block_n == config.block_n
+                   and c.block_k == config.block_k for c in few)
+    assert {c.split_k for c in _gemm_candidates(Problem("fp8", 4096, 4096, 4096, 4096))} == {1}
