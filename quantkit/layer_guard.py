@@ -59,10 +59,6 @@ class Snapshot:
         skip = set(without)
         return {name: self[name] for name in self.tensors if name not in skip}
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
 
 def rtn_weights(original: Snapshot, names: Iterable[str], config: QuantConfig) -> dict[str, QuantizedWeight]:
     """RTN of each named linear's original weight on the method's grid (bits, group size, symmetry, scale dtype)."""
